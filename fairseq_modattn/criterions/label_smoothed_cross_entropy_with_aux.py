@@ -1,0 +1,87 @@
+"""Label-smoothed cross-entropy plus the auxiliary losses a model reports.
+
+    L = CE_ls + c_kl KL + c_qq L_Dqq - c_xq L_Dxq + c_dv L_dv          (DMA paper, Eq. 15)
+
+The model puts the terms in its decoder output's ``extra`` dict: ``aux_losses`` (name ->
+scalar mean per token or sentence, see ``modules/mi_bounds.py``) and ``aux_loss_weights``
+(name -> signed weight; the architecture holds the paper's values). fairseq sums CE over
+target tokens and divides the gradient by ``sample_size``, so each aux term enters the loss
+multiplied by ``sample_size``: the weights are per target token and do not depend on the
+batch size. Models without aux terms (a plain transformer) train with plain label-smoothed CE.
+
+Logged every interval and in validation (all ranks emit every key, 0 when absent):
+    loss, nll_loss   fairseq's (base 2, per token)
+    ce_loss          the label-smoothed cross-entropy alone (base 2, per token)
+    kl, dqq, dxq, div the unweighted aux terms (nats)
+    gamma            the DMA mask interpolation weight in force
+"""
+
+import math
+from dataclasses import dataclass
+
+from fairseq import utils
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from fairseq.logging import metrics
+
+AUX_LOG_KEYS = ("kl", "dqq", "dxq", "div")
+
+
+@dataclass
+class LabelSmoothedCrossEntropyWithAuxConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    pass
+
+
+@register_criterion("label_smoothed_cross_entropy_with_aux", dataclass=LabelSmoothedCrossEntropyWithAuxConfig)
+class LabelSmoothedCrossEntropyWithAuxCriterion(LabelSmoothedCrossEntropyCriterion):
+    def forward(self, model, sample, reduce=True):
+        net_output = model(**sample["net_input"])
+        ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+
+        extra = net_output[1] if isinstance(net_output[1], dict) else {}
+        aux = extra.get("aux_losses") or {}
+        weights = extra.get("aux_loss_weights") or {}
+        unknown = set(aux) - set(weights)
+        if unknown:
+            raise KeyError(f"the model reports aux losses {sorted(unknown)} without a weight")
+        loss = ce_loss
+        for name, value in aux.items():
+            if weights[name] != 0.0:
+                loss = loss + weights[name] * value * sample_size
+
+        logging_output = {
+            "loss": loss.data,
+            "ce_loss": ce_loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+            "gamma": float(extra.get("dma_gamma", 0.0)) * sample_size,
+        }
+        for name in AUX_LOG_KEYS:
+            logging_output[name] = aux[name].data * sample_size if name in aux else 0.0
+        if self.report_accuracy:
+            n_correct, total = self.compute_accuracy(model, net_output, sample)
+            logging_output["n_correct"] = utils.item(n_correct.data)
+            logging_output["total"] = utils.item(total.data)
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+        if sample_size == 0:
+            return
+        ce_sum = sum(log.get("ce_loss", 0) for log in logging_outputs)
+        metrics.log_scalar("ce_loss", ce_sum / sample_size / math.log(2), sample_size, round=3)
+        for name in AUX_LOG_KEYS + ("gamma",):
+            total = sum(log.get(name, 0) for log in logging_outputs)
+            metrics.log_scalar(name, utils.item(total) / sample_size, sample_size, round=4)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True

@@ -1,0 +1,3 @@
+"""Registered models; importing a file registers its model and named architectures."""
+
+from . import dma_transformer  # noqa: F401

@@ -1,0 +1,338 @@
+"""The DMA transformer: fairseq's transformer with disentangled mask attention.
+
+Registered as model ``dma_transformer`` with the paper's configurations (Chien & Huang, Table 5
+and 6; 6 + 6 layers, c_kl = 0.01 everywhere) as named architectures:
+
+    =============================== ========= ===== ==== ==== ====== ===
+    --arch                          emb/FFN   heads c_qq c_xq c_grad n_c
+    =============================== ========= ===== ==== ==== ====== ===
+    dma_transformer_iwslt_de_en     512/1024  4     100  10   10     8
+    dma_transformer_iwslt_de_en_small 384/1024 4    100  10   10     4
+    dma_transformer_iwslt_de_en_tiny 256/512  4     50   5    10     4
+    dma_transformer_wmt_en_de       512/2048  8     100  10   10     4
+    dma_transformer_wmt_en_de_small 384/2048  8     100  10   10     4
+    dma_transformer_wmt_zh_en       512/1024  4     50   5    5      4
+    dma_transformer (base)          512/2048  8     100  10   10     4
+    =============================== ========= ===== ==== ==== ====== ===
+
+The model returns its regularisers in the decoder's ``extra`` dict (``aux_losses``: module
+averages of KL, L_Dqq, L_Dxq, L_dv; ``aux_loss_weights``: their signed weights) for the
+``label_smoothed_cross_entropy_with_aux`` criterion; they are computed only inside
+``forward`` (training and validation), never during generation.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerConfig,
+    TransformerDecoderBase,
+    TransformerEncoderBase,
+    TransformerModel,
+    base_architecture,
+    transformer_iwslt_de_en,
+    transformer_wmt_en_de,
+)
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.utils import safe_getattr
+
+from ..modules.dma_attention import AUX_LOSS_NAMES, DisentangledMaskAttention
+
+DMA_ATTENTION_TYPES = ("enc_self", "dec_self", "enc_dec")
+
+
+def dma_attention_types(cfg) -> List[str]:
+    """The attention types given by --dma-attention (comma-separated), validated."""
+    value = safe_getattr(cfg, "dma_attention", ",".join(DMA_ATTENTION_TYPES))
+    types = [t.strip() for t in value.split(",") if t.strip()] if value.strip().lower() != "none" else []
+    unknown = [t for t in types if t not in DMA_ATTENTION_TYPES]
+    if unknown:
+        raise ValueError(
+            f"--dma-attention: unknown attention type(s) {unknown}; "
+            f"expected a comma-separated subset of {','.join(DMA_ATTENTION_TYPES)} or 'none'"
+        )
+    return types
+
+
+def validate_dma_args(args):
+    """Clear errors for impossible DMA settings, before anything is built."""
+    if args.dma_clusters < 1:
+        raise ValueError(f"--dma-clusters must be >= 1, got {args.dma_clusters}")
+    for flag in ("kl_weight", "qq_weight", "xq_weight", "div_weight", "centroid_grad_mult", "anneal_rate"):
+        value = getattr(args, "dma_" + flag)
+        if value < 0:
+            raise ValueError(f"--dma-{flag.replace('_', '-')} must be >= 0, got {value}")
+    if not 0.0 <= args.dma_alpha <= 1.0:
+        raise ValueError(f"--dma-alpha must lie in [0, 1], got {args.dma_alpha}")
+    if args.dma_noise_var <= 0:
+        raise ValueError(f"--dma-noise-var must be > 0, got {args.dma_noise_var}")
+    for side in ("encoder", "decoder"):
+        dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
+        if heads < 1 or dim % heads != 0:
+            raise ValueError(
+                f"--{side}-embed-dim ({dim}) must be divisible by --{side}-attention-heads ({heads})"
+            )
+    dma_attention_types(args)
+
+
+def build_dma_attention(cfg, embed_dim, num_heads, **kwargs) -> DisentangledMaskAttention:
+    if safe_getattr(cfg.quant_noise, "pq", 0) > 0:
+        raise ValueError("--quant-noise-pq is not supported by DMA attention")
+    return DisentangledMaskAttention(
+        embed_dim,
+        num_heads,
+        dropout=cfg.attention_dropout,
+        num_clusters=cfg.dma_clusters,
+        alpha=cfg.dma_alpha,
+        anneal_rate=cfg.dma_anneal_rate,
+        noise_var=cfg.dma_noise_var,
+        centroid_grad_mult=cfg.dma_centroid_grad_mult,
+        **kwargs,
+    )
+
+
+def wrap_layer(layer, cfg):
+    """Activation checkpointing and FSDP wrapping exactly as fairseq's layer builders do."""
+    checkpoint = cfg.checkpoint_activations
+    if checkpoint:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+
+
+class DMATransformerEncoderLayer(TransformerEncoderLayerBase):
+    def build_self_attention(self, embed_dim, cfg):
+        if "enc_self" not in dma_attention_types(cfg):
+            return super().build_self_attention(embed_dim, cfg)
+        return build_dma_attention(cfg, embed_dim, cfg.encoder.attention_heads, self_attention=True)
+
+
+class DMATransformerDecoderLayer(TransformerDecoderLayerBase):
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        if "dec_self" not in dma_attention_types(cfg):
+            return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
+        if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
+            raise ValueError("DMA decoder self-attention does not support --cross-self-attention")
+        return build_dma_attention(
+            cfg,
+            embed_dim,
+            cfg.decoder.attention_heads,
+            self_attention=True,
+            mask_at_inference=cfg.dma_decoder_mask_at_inference,
+        )
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        if "enc_dec" not in dma_attention_types(cfg):
+            return super().build_encoder_attention(embed_dim, cfg)
+        return build_dma_attention(
+            cfg,
+            embed_dim,
+            cfg.decoder.attention_heads,
+            kdim=cfg.encoder.embed_dim,
+            vdim=cfg.encoder.embed_dim,
+            encoder_decoder_attention=True,
+        )
+
+
+class DMATransformerEncoder(TransformerEncoderBase):
+    def build_encoder_layer(self, cfg):
+        return wrap_layer(DMATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+
+
+class DMATransformerDecoder(TransformerDecoderBase):
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        return wrap_layer(DMATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
+
+
+@register_model("dma_transformer")
+class DMATransformerModel(TransformerModel):
+    """Transformer whose attentions are ``DisentangledMaskAttention`` (see module docstring)."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        group = parser.add_argument_group("disentangled mask attention (DMA)")
+        # No default= here: fairseq suppresses argparse defaults; the architecture functions
+        # below fill them, so each named architecture can carry the paper's values.
+        group.add_argument("--dma-clusters", type=int, metavar="N",
+                           help="number of GMM clusters n_c of the token and query GMMs")
+        group.add_argument("--dma-attention", type=str, metavar="TYPES",
+                           help="comma-separated attention types that use DMA: enc_self, dec_self, "
+                                "enc_dec, or 'none' (default: all three)")
+        group.add_argument("--dma-alpha", type=float, metavar="A",
+                           help="final mask interpolation weight: gamma(t) = 1 - max(1 - A, exp(-r t))")
+        group.add_argument("--dma-anneal-rate", type=float, metavar="R",
+                           help="annealing rate r of gamma per update (paper: 5e-4)")
+        group.add_argument("--dma-noise-var", type=float, metavar="S2",
+                           help="variance s^2 of q(z|x) = N(x, s^2 I): training noise and KL (paper: 0.1)")
+        group.add_argument("--dma-kl-weight", type=float, metavar="W", help="c_kl, weight of the GMM KL terms")
+        group.add_argument("--dma-qq-weight", type=float, metavar="W",
+                           help="c_qq, weight of the head-dependence upper bound L_Dqq (minimised)")
+        group.add_argument("--dma-xq-weight", type=float, metavar="W",
+                           help="c_xq, weight of the InfoNCE bound L_Dxq (maximised)")
+        group.add_argument("--dma-div-weight", type=float, metavar="W",
+                           help="c_dv, weight of the cluster diversity penalty L_dv")
+        group.add_argument("--dma-centroid-grad-mult", type=float, metavar="C",
+                           help="c_grad, gradient multiplier of the GMM means")
+        group.add_argument("--dma-decoder-mask-at-inference", action="store_true",
+                           help="keep the semantic mask in decoder self-attention at inference "
+                                "(the paper drops it there)")
+
+    @classmethod
+    def build_model(cls, args, task):
+        dma_base_architecture(args)
+        validate_dma_args(args)
+        return super().build_model(args, task)
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return DMATransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return DMATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+    def dma_modules(self) -> List[DisentangledMaskAttention]:
+        return [m for m in self.modules() if isinstance(m, DisentangledMaskAttention)]
+
+    @property
+    def aux_loss_weights(self) -> Dict[str, float]:
+        """Signed weights: the total loss is CE + sum_k weight_k * aux_k (L_Dxq is maximised)."""
+        args = self.args
+        return {
+            "kl": args.dma_kl_weight,
+            "dqq": args.dma_qq_weight,
+            "dxq": -args.dma_xq_weight,
+            "div": args.dma_div_weight,
+        }
+
+    def forward(
+        self,
+        src_tokens,
+        src_lengths,
+        prev_output_tokens,
+        return_all_hiddens: bool = True,
+        features_only: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+    ):
+        modules = self.dma_modules()
+        target_padding = prev_output_tokens.eq(self.decoder.padding_idx)
+        for m in modules:
+            m.collect_aux, m.aux_losses = True, None
+            if m.encoder_decoder_attention:
+                m.query_padding_mask = target_padding
+        try:
+            decoder_out = super().forward(
+                src_tokens,
+                src_lengths,
+                prev_output_tokens,
+                return_all_hiddens=return_all_hiddens,
+                features_only=features_only,
+                alignment_layer=alignment_layer,
+                alignment_heads=alignment_heads,
+            )
+        finally:
+            for m in modules:
+                m.collect_aux, m.query_padding_mask = False, None
+        losses = [m.aux_losses for m in modules if m.aux_losses is not None]
+        zero = src_tokens.new_zeros((), dtype=torch.float32)
+        extra = decoder_out[1]
+        extra["aux_losses"] = {
+            name: torch.stack([l[name] for l in losses]).mean() if losses else zero for name in AUX_LOSS_NAMES
+        }
+        extra["aux_loss_weights"] = self.aux_loss_weights
+        extra["dma_gamma"] = modules[0].gamma if modules else 0.0
+        for m in modules:
+            m.aux_losses = None
+        return decoder_out
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        if strict:
+            missing = sorted(k for k in self.state_dict() if "_gmm." in k and k not in state_dict)
+            if missing:
+                raise RuntimeError(
+                    f"the checkpoint has no DMA parameters for this model ({len(missing)} missing, "
+                    f"e.g. '{missing[0]}'): it was trained with another --arch or another "
+                    "--dma-attention / --dma-clusters setting. Resume or fine-tune DMA models only "
+                    "from dma_transformer checkpoints of the same configuration (--restore-file, "
+                    "--finetune-from-model)."
+                )
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
+
+# ---------------------------------------------------------------------------- architectures
+# Each function only fills defaults (getattr keeps what the command line set) and then calls
+# the fairseq architecture with the same dimensions.
+
+
+def _dma_defaults(args, clusters, qq, xq, grad):
+    args.dma_clusters = safe_getattr(args, "dma_clusters", clusters)
+    args.dma_qq_weight = safe_getattr(args, "dma_qq_weight", qq)
+    args.dma_xq_weight = safe_getattr(args, "dma_xq_weight", xq)
+    args.dma_centroid_grad_mult = safe_getattr(args, "dma_centroid_grad_mult", grad)
+
+
+@register_model_architecture("dma_transformer", "dma_transformer")
+def dma_base_architecture(args):
+    _dma_defaults(args, clusters=4, qq=100.0, xq=10.0, grad=10.0)
+    args.dma_attention = safe_getattr(args, "dma_attention", ",".join(DMA_ATTENTION_TYPES))
+    args.dma_alpha = safe_getattr(args, "dma_alpha", 0.5)
+    args.dma_anneal_rate = safe_getattr(args, "dma_anneal_rate", 5e-4)
+    args.dma_noise_var = safe_getattr(args, "dma_noise_var", 0.1)
+    args.dma_kl_weight = safe_getattr(args, "dma_kl_weight", 0.01)
+    args.dma_div_weight = safe_getattr(args, "dma_div_weight", 1.0)
+    args.dma_decoder_mask_at_inference = safe_getattr(args, "dma_decoder_mask_at_inference", False)
+    base_architecture(args)
+
+
+@register_model_architecture("dma_transformer", "dma_transformer_iwslt_de_en")
+def dma_transformer_iwslt_de_en(args):
+    _dma_defaults(args, clusters=8, qq=100.0, xq=10.0, grad=10.0)
+    transformer_iwslt_de_en(args)
+    dma_base_architecture(args)
+
+
+@register_model_architecture("dma_transformer", "dma_transformer_iwslt_de_en_small")
+def dma_transformer_iwslt_de_en_small(args):
+    args.encoder_embed_dim = safe_getattr(args, "encoder_embed_dim", 384)
+    args.decoder_embed_dim = safe_getattr(args, "decoder_embed_dim", 384)
+    _dma_defaults(args, clusters=4, qq=100.0, xq=10.0, grad=10.0)
+    transformer_iwslt_de_en(args)
+    dma_base_architecture(args)
+
+
+@register_model_architecture("dma_transformer", "dma_transformer_iwslt_de_en_tiny")
+def dma_transformer_iwslt_de_en_tiny(args):
+    for side in ("encoder", "decoder"):
+        setattr(args, f"{side}_embed_dim", safe_getattr(args, f"{side}_embed_dim", 256))
+        setattr(args, f"{side}_ffn_embed_dim", safe_getattr(args, f"{side}_ffn_embed_dim", 512))
+    _dma_defaults(args, clusters=4, qq=50.0, xq=5.0, grad=10.0)
+    transformer_iwslt_de_en(args)
+    dma_base_architecture(args)
+
+
+@register_model_architecture("dma_transformer", "dma_transformer_wmt_en_de")
+def dma_transformer_wmt_en_de(args):
+    _dma_defaults(args, clusters=4, qq=100.0, xq=10.0, grad=10.0)
+    transformer_wmt_en_de(args)
+    dma_base_architecture(args)
+
+
+@register_model_architecture("dma_transformer", "dma_transformer_wmt_en_de_small")
+def dma_transformer_wmt_en_de_small(args):
+    args.encoder_embed_dim = safe_getattr(args, "encoder_embed_dim", 384)
+    args.decoder_embed_dim = safe_getattr(args, "decoder_embed_dim", 384)
+    _dma_defaults(args, clusters=4, qq=100.0, xq=10.0, grad=10.0)
+    transformer_wmt_en_de(args)
+    dma_base_architecture(args)
+
+
+@register_model_architecture("dma_transformer", "dma_transformer_wmt_zh_en")
+def dma_transformer_wmt_zh_en(args):
+    _dma_defaults(args, clusters=4, qq=50.0, xq=5.0, grad=5.0)
+    transformer_iwslt_de_en(args)  # 512/1024 with 4 heads, as the paper's Table 5
+    dma_base_architecture(args)

@@ -1,0 +1,15 @@
+"""Plain nn.Modules (no fairseq registration): the math of each method."""
+
+from .attention_base import MultiheadAttentionBase, capture_attention
+from .dma_attention import DisentangledMaskAttention, annealing_rate, log_semantic_mask
+from .gmm import DiagonalGMM, GMMStatistics
+
+__all__ = [
+    "DiagonalGMM",
+    "DisentangledMaskAttention",
+    "GMMStatistics",
+    "MultiheadAttentionBase",
+    "annealing_rate",
+    "capture_attention",
+    "log_semantic_mask",
+]

@@ -1,0 +1,326 @@
+"""The attention skeleton shared by this package's attention variants.
+
+``MultiheadAttentionBase`` is a drop-in replacement for ``fairseq.modules.MultiheadAttention``
+(same constructor arguments that the transformer layers use, same ``forward`` signature and
+return values, same parameter names ``q_proj``/``k_proj``/``v_proj``/``out_proj`` and
+initialisation) that owns everything a variant should not have to re-implement:
+
+    * input/output projections and the split into heads, (T, B, E) <-> (B, H, T, d);
+    * the incremental-decoding cache ("prev_key", "prev_value", "prev_key_padding_mask", plus
+      any per-token state a variant declares in ``cached_state_names``), concatenated along
+      time for self-attention and computed once for encoder-decoder attention (``static_kv``);
+    * beam-search reordering of that cache;
+    * padding and causal masks turned into one additive -inf mask of shape (B|1, 1, T, S);
+    * encoder states with a smaller batch than the queries (``kv_bsz != bsz``);
+    * head-averaged / per-head weights for fairseq callers (``need_weights``,
+      ``need_head_weights``) and opt-in recording of the weights for analysis.
+
+A variant implements two hooks:
+
+    token_state(x)  -> dict of per-token tensors (B, H, N, *) computed from a *module input*
+                       (queries' input, and keys' input for cross-attention; self-attention
+                       computes it once and uses it on both sides);
+    attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
+                    -> (out (B, H, T, d), weights (B, H, T, S) or None)
+
+``mask`` is the additive mask described above and ``key_padding_mask`` the (B, S) padding of
+the (possibly cached) keys, for variants that need to know which keys are real.
+"""
+
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.incremental_decoding_utils import with_incremental_state
+from torch import Tensor
+
+
+def combine_padding_masks(
+    prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int
+) -> Optional[Tensor]:
+    """Concatenate the cached and the new key padding masks along time (None = no padding)."""
+    if prev is None and new is None:
+        return None
+    if prev is None:
+        prev = new.new_zeros(bsz, prev_len)
+    if new is None:
+        new = prev.new_zeros(bsz, new_len)
+    return torch.cat([prev.bool(), new.bool()], dim=1)
+
+
+def additive_attention_mask(
+    key_padding_mask: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    bsz: int,
+    num_heads: int,
+    tgt_len: int,
+    src_len: int,
+    dtype: torch.dtype,
+) -> Optional[Tensor]:
+    """fairseq's two masks as one additive mask broadcastable to (B, H, T, S).
+
+    ``key_padding_mask`` is (B, S) with True on padding; ``attn_mask`` is fairseq's (T, S)
+    float mask with -inf on forbidden positions (or a bool mask with True there), or a
+    (B * H, T, S) one.
+    """
+    mask = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
+                attn_mask, float("-inf")
+            )
+        attn_mask = attn_mask.to(dtype)
+        if attn_mask.dim() == 2:
+            mask = attn_mask.view(1, 1, tgt_len, src_len)
+        elif attn_mask.dim() == 3:
+            mask = attn_mask.view(bsz, num_heads, tgt_len, src_len)
+        else:
+            raise ValueError(f"attn_mask must be 2-D or 3-D, got shape {tuple(attn_mask.shape)}")
+    if key_padding_mask is not None:
+        padding = torch.zeros((bsz, 1, 1, src_len), dtype=dtype, device=key_padding_mask.device)
+        padding = padding.masked_fill(key_padding_mask.view(bsz, 1, 1, src_len).bool(), float("-inf"))
+        mask = padding if mask is None else mask + padding
+    return mask
+
+
+@with_incremental_state
+class MultiheadAttentionBase(nn.Module):
+    """Projections, caching and masking around a variant's ``attend`` step (see module doc)."""
+
+    #: names of ``token_state`` entries that the incremental cache keeps for the key side
+    cached_state_names: Tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        self_attention: bool = False,
+        encoder_decoder_attention: bool = False,
+    ):
+        super().__init__()
+        if num_heads < 1 or embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by the number of attention heads "
+                f"({num_heads}): check --encoder-attention-heads / --decoder-attention-heads"
+            )
+        if self_attention and encoder_decoder_attention:
+            raise ValueError("an attention module is either self- or encoder-decoder attention")
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.qkv_same_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        if self_attention and not self.qkv_same_dim:
+            raise ValueError("self-attention requires query, key and value of the same width")
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.self_attention = self_attention
+        self.encoder_decoder_attention = encoder_decoder_attention
+
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+        #: set to True (see ``capture_attention``) to keep the last weights in ``last_weights``
+        self.record_weights = False
+        self.last_weights: Optional[Tensor] = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # Same initialisation as fairseq.modules.MultiheadAttention so that swapping the
+        # attention class changes nothing else about a model.
+        gain = 2 ** -0.5 if self.qkv_same_dim else 1.0
+        for proj in (self.k_proj, self.v_proj, self.q_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    # ----------------------------------------------------------------- variant hooks
+    def token_state(self, x: Tensor) -> Dict[str, Tensor]:
+        """Per-token state (B, H, N, *) of a module input x (N, B, E). None by default."""
+        return {}
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_state: Dict[str, Tensor],
+        k_state: Dict[str, Tensor],
+        mask: Optional[Tensor],
+        key_padding_mask: Optional[Tensor],
+        need_weights: bool,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- helpers
+    def _split_heads(self, x: Tensor) -> Tensor:
+        """(N, B, H * d) -> (B, H, N, d)."""
+        length, bsz, _ = x.shape
+        return x.view(length, bsz, self.num_heads, -1).permute(1, 2, 0, 3)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """fairseq's MultiheadAttention contract: inputs (T, B, E), returns ((T, B, E), weights).
+
+        weights are None unless ``need_weights``; averaged over heads (B, T, S) unless
+        ``need_head_weights`` (H, B, T, S).
+        """
+        if before_softmax:
+            raise NotImplementedError(f"{type(self).__name__} does not return pre-softmax scores")
+        need_weights = need_weights or need_head_weights or self.record_weights
+        tgt_len, bsz, _ = query.shape
+
+        saved: Dict[str, Optional[Tensor]] = {}
+        if incremental_state is not None:
+            saved = self._get_input_buffer(incremental_state)
+            if static_kv and saved.get("prev_key") is not None:
+                key = value = None  # encoder keys were projected at the first step
+
+        q = self._split_heads(self.q_proj(query))
+        q_state = self.token_state(query)
+
+        k_state: Dict[str, Tensor] = {}
+        if key is not None:
+            if self.self_attention:
+                key = value = query
+                k_state = q_state
+            else:
+                k_state = self.token_state(key)
+            k = self._split_heads(self.k_proj(key))
+            v = self._split_heads(self.v_proj(value))
+
+        if incremental_state is not None:
+            k_state = {name: k_state[name] for name in self.cached_state_names if name in k_state}
+            if key is None:  # static_kv, reuse the cache as is
+                k, v = saved["prev_key"], saved["prev_value"]
+                k_state = {
+                    name: saved["prev_" + name] for name in self.cached_state_names if "prev_" + name in saved
+                }
+                if saved.get("prev_key_padding_mask") is not None:
+                    key_padding_mask = saved["prev_key_padding_mask"]
+            else:
+                if saved.get("prev_key") is not None and not static_kv:
+                    prev_len = saved["prev_key"].size(2)
+                    key_padding_mask = combine_padding_masks(
+                        saved.get("prev_key_padding_mask"), key_padding_mask, bsz, prev_len, k.size(2)
+                    )
+                    k = torch.cat([saved["prev_key"], k], dim=2)
+                    v = torch.cat([saved["prev_value"], v], dim=2)
+                    k_state = {
+                        name: torch.cat([saved["prev_" + name], t], dim=2) for name, t in k_state.items()
+                    }
+                saved["prev_key"], saved["prev_value"] = k, v
+                saved["prev_key_padding_mask"] = key_padding_mask
+                for name, t in k_state.items():
+                    saved["prev_" + name] = t
+                self._set_input_buffer(incremental_state, saved)
+
+        if k.size(0) != bsz:
+            # Encoder states shared by the beams of a sentence (kv_bsz = bsz / beam).
+            if bsz % k.size(0) != 0:
+                raise ValueError(f"query batch {bsz} is not a multiple of key batch {k.size(0)}")
+            repeat = bsz // k.size(0)
+            k, v = k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)
+            k_state = {name: t.repeat_interleave(repeat, 0) for name, t in k_state.items()}
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.repeat_interleave(repeat, 0)
+
+        src_len = k.size(2)
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:
+            key_padding_mask = None
+        mask = additive_attention_mask(
+            key_padding_mask, attn_mask, bsz, self.num_heads, tgt_len, src_len, q.dtype
+        )
+        out, weights = self.attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
+
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1)
+        out = self.out_proj(out)
+
+        if not need_weights or weights is None:
+            return out, None
+        if self.record_weights:
+            self.last_weights = weights.detach()
+        weights = weights.to(out.dtype)
+        if need_head_weights:
+            return out, weights.transpose(0, 1)
+        return out, weights.mean(dim=1)
+
+    def explicit_softmax(self, logits: Tensor) -> Tensor:
+        """Softmax in fp32 (fairseq does the same) for the weights-returning path."""
+        return torch.softmax(logits.float(), dim=-1)
+
+    def apply_dropout(self, weights: Tensor) -> Tensor:
+        return F.dropout(weights, p=self.dropout, training=self.training)
+
+    # ----------------------------------------------------------------- incremental state
+    def _get_input_buffer(
+        self, incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+    ) -> Dict[str, Optional[Tensor]]:
+        result = self.get_incremental_state(incremental_state, "attn_state")
+        return result if result is not None else {}
+
+    def _set_input_buffer(
+        self,
+        incremental_state: Dict[str, Dict[str, Optional[Tensor]]],
+        buffer: Dict[str, Optional[Tensor]],
+    ):
+        return self.set_incremental_state(incremental_state, "attn_state", buffer)
+
+    def reorder_incremental_state(
+        self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor
+    ):
+        """Follow beam search's reordering of hypotheses (batch dim 0 of every cached tensor)."""
+        buffer = self._get_input_buffer(incremental_state)
+        if not buffer:
+            return incremental_state
+        for name, cached in buffer.items():
+            if cached is None:
+                continue
+            if self.encoder_decoder_attention and cached.size(0) == new_order.size(0):
+                # The beams of a sentence share identical encoder keys, so a reordering that
+                # keeps the batch size is a no-op here (fairseq's MultiheadAttention skips it
+                # too); a shrinking batch (finished sentences) still selects.
+                continue
+            buffer[name] = cached.index_select(0, new_order)
+        return self._set_input_buffer(incremental_state, buffer)
+
+    def set_beam_size(self, beam_size: int):
+        """Accepted for API compatibility; shared encoder states are handled in ``forward``."""
+
+
+@contextmanager
+def capture_attention(model: nn.Module) -> Iterator[Dict[str, MultiheadAttentionBase]]:
+    """Record the final attention weights of every package attention module inside ``model``.
+
+    Within the block each module takes its weights-returning path and keeps the weights of its
+    last call, shape (B, H, T, S), in ``module.last_weights``; the default (fused) path is
+    untouched outside the block. Yields {module name: module}.
+    """
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, MultiheadAttentionBase)}
+    for m in modules.values():
+        m.record_weights = True
+    try:
+        yield modules
+    finally:
+        for m in modules.values():
+            m.record_weights = False

@@ -1,0 +1,106 @@
+"""Mutual-information bounds and the diversity penalty of DMA (paper section 3.3, Eq. 9-14).
+
+All functions take cluster statistics laid out ``(B, H, N, C)`` (batch, heads, tokens,
+clusters) in fp32 and a boolean ``valid`` of shape ``(B, N)`` that is True on real tokens;
+padded tokens never enter a sum, a normaliser or a count.
+
+Normalisation (so that no term grows with batch size or the number of layers):
+    * ``head_dependence_bound`` (L_Dqq) and ``infonce_bound`` (L_Dxq) are means over the real
+      tokens of the batch (and over head pairs / heads);
+    * ``diversity_penalty`` (L_dv) is the paper's per-sentence (1/n) ||C C^T - I||_F^2 averaged
+      over sentences and heads. Note that it is O(n / n_c) for a sentence of n tokens spread over
+      n_c clusters, as in the paper: longer sentences weigh more;
+    * the model averages every term over its DMA attention modules.
+
+L_Dqq (upper bound of I(q^h; q^h'), Eq. 9, 12, 13). For heads h != h' and token i of a sentence,
+
+    p(q_i^h | c)      = p(q_i^h, c) / sum_i' p(q_i'^h, c)            (tokens of the sentence)
+    p(q_i^h | q_i^h') = sum_c p(q_i^h | c) Q_ic^h'
+    L_Dqq             = mean_{h != h'} mean_i log p(q_i^h | q_i^h'),
+
+where p(q, c) = pi_c N(q; mu_c, sigma_c^2) is the query GMM's joint and Q^h' its posterior for
+head h'. The normaliser uses head h's own joint so that p(. | c) is a distribution over the
+sentence's tokens (DESIGN.md's transcription puts h' there, which is not normalised); like the
+paper we drop the negative-sample (j != i) term of the CLUB bound.
+
+L_Dxq (InfoNCE lower bound of I(x; q), Eq. 10), per head and sentence of n tokens,
+
+    f_ij = sum_c Q_ic Q_jc,     L_Dxq = mean_i [ f_ii - log( (1/n) sum_j exp f_ij ) ].
+
+L_dv (Eq. 14) with C the (n x n_c) posterior matrix of a sentence and head,
+
+    (1/n) ||C C^T - I||_F^2 = (1/n) ( ||C^T C||_F^2 - 2 ||C||_F^2 + n ),
+
+which needs only the n_c x n_c Gram matrix.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def masked_token_mean(values: Tensor, valid: Optional[Tensor]) -> Tensor:
+    """Mean of ``values`` (B, H, N) over heads and the real tokens given by ``valid`` (B, N)."""
+    if valid is None:
+        return values.mean()
+    keep = valid.unsqueeze(1)  # (B, 1, N)
+    # where(), not a product: a padded entry may be +-inf and 0 * inf is NaN.
+    total = torch.where(keep, values, values.new_zeros(())).sum()
+    count = keep.sum() * values.size(1)
+    return total / count.clamp_min(1).to(values.dtype)
+
+
+def _neg_inf_padding(log_values: Tensor, valid: Optional[Tensor], token_dim: int) -> Tensor:
+    """Set padded tokens of a log-space tensor to -inf along ``token_dim`` (for logsumexp)."""
+    if valid is None:
+        return log_values
+    shape = [1] * log_values.dim()
+    shape[0] = valid.size(0)
+    shape[token_dim] = valid.size(1)
+    return log_values.masked_fill(~valid.view(shape), float("-inf"))
+
+
+def head_dependence_bound(log_joint: Tensor, log_post: Tensor, valid: Optional[Tensor]) -> Tensor:
+    """L_Dqq: mean over head pairs h != h' and real tokens i of log p(q_i^h | q_i^h')."""
+    num_heads = log_joint.size(1)
+    if num_heads < 2:
+        return log_joint.new_zeros(())
+    # log p(q_i^h | c): normalise the joint over the sentence's real tokens.
+    masked_joint = _neg_inf_padding(log_joint, valid, token_dim=2)
+    log_token_given_c = log_joint - torch.logsumexp(masked_joint, dim=2, keepdim=True)
+    # (B, H, 1, N, C) + (B, 1, H', N, C) -> logsumexp over c -> (B, H, H', N).
+    pair = torch.logsumexp(log_token_given_c.unsqueeze(2) + log_post.unsqueeze(1), dim=-1)
+    off_diagonal = ~torch.eye(num_heads, dtype=torch.bool, device=pair.device)
+    per_token = (pair * off_diagonal.view(1, num_heads, num_heads, 1)).sum((1, 2))
+    per_token = per_token / (num_heads * (num_heads - 1))
+    return masked_token_mean(per_token.unsqueeze(1), valid)
+
+
+def infonce_bound(post: Tensor, valid: Optional[Tensor]) -> Tensor:
+    """L_Dxq: InfoNCE with critic f_ij = <Q_i, Q_j>, over the real tokens of each sentence."""
+    critic = torch.matmul(post, post.transpose(-1, -2))  # (B, H, N, N)
+    positive = critic.diagonal(dim1=-2, dim2=-1)  # (B, H, N)
+    log_partition = torch.logsumexp(_neg_inf_padding(critic, valid, token_dim=3), dim=-1)
+    if valid is None:
+        log_n = math.log(post.size(2))
+    else:
+        log_n = valid.sum(1).clamp_min(1).to(post.dtype).log().view(-1, 1, 1)
+    return masked_token_mean(positive - log_partition + log_n, valid)
+
+
+def diversity_penalty(post: Tensor, valid: Optional[Tensor]) -> Tensor:
+    """L_dv: mean over sentences and heads of (1/n) ||C C^T - I||_F^2, in O(n n_c^2)."""
+    if valid is not None:
+        post = post * valid.to(post.dtype).view(valid.size(0), 1, valid.size(1), 1)
+        n = valid.sum(1).to(post.dtype).view(-1, 1)  # (B, 1)
+    else:
+        n = post.new_full((post.size(0), 1), float(post.size(2)))
+    gram = torch.matmul(post.transpose(-1, -2), post)  # (B, H, C, C)
+    frob = gram.pow(2).sum((-1, -2)) - 2.0 * post.pow(2).sum((-1, -2)) + n
+    per_sentence = frob / n.clamp_min(1.0)
+    if valid is None:
+        return per_sentence.mean()
+    has_tokens = (n > 0).to(post.dtype)
+    return (per_sentence * has_tokens).sum() / (has_tokens.sum() * post.size(1)).clamp_min(1.0)

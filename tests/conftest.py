@@ -1,0 +1,82 @@
+"""Shared fixtures: the real Multi30k corpus (from ../shared/data, or --shared-data PATH),
+cut to a few hundred lines, tokenised, BPE'd and binarised by the real fairseq-preprocess."""
+
+import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN = REPO / "fairseq_modattn"
+BIN = Path(sys.executable).parent
+
+# (split name in the data-bin, Multi30k file stem, number of lines)
+SPLITS = {"train": ("train", 500), "valid": ("val", 100), "test": ("test_2016_flickr", 300)}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shared-data",
+        default=os.environ.get("FAIRSEQ_MODATTN_SHARED_DATA", str(REPO.parent / "shared" / "data")),
+        help="folder holding multi30k/ and iwslt16-de-en-dev/ (default: ../shared/data)",
+    )
+
+
+def fairseq_cli(name: str) -> str:
+    """Path of a fairseq console script of the running interpreter's environment."""
+    return str(BIN / name)
+
+
+def run_cli(args, cwd=None, input_text=None, timeout=600, check=True):
+    """Run a real fairseq-* command; return its combined output (raise with it on failure)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [str(a) for a in args], cwd=cwd, input=input_text, capture_output=True, text=True,
+        timeout=timeout, env=env,
+    )
+    output = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args[0]} exited {proc.returncode}:\n{output[-6000:]}")
+    return proc.returncode, output
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir(pytestconfig) -> Path:
+    path = Path(pytestconfig.getoption("--shared-data")) / "multi30k"
+    if not (path / "train.de.gz").exists():
+        pytest.skip(f"Multi30k not found at {path} (pass --shared-data PATH)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def multi30k_bin(multi30k_dir, tmp_path_factory) -> Path:
+    """A de-en data-bin of 500/100/300 real Multi30k sentence pairs with an 800-merge BPE."""
+    from sacremoses import MosesTokenizer
+    from subword_nmt.apply_bpe import BPE
+    from subword_nmt.learn_bpe import learn_bpe
+
+    work = tmp_path_factory.mktemp("multi30k")
+    tokenized = {}
+    for split, (stem, count) in SPLITS.items():
+        for lang in ("de", "en"):
+            tok = MosesTokenizer(lang=lang)
+            with gzip.open(multi30k_dir / f"{stem}.{lang}.gz", "rt", encoding="utf-8") as f:
+                lines = [next(f).strip() for _ in range(count)]
+            tokenized[split, lang] = [tok.tokenize(s.lower(), return_str=True, escape=False) for s in lines]
+    codes = work / "codes"
+    with open(codes, "w", encoding="utf-8") as out:
+        learn_bpe(tokenized["train", "de"] + tokenized["train", "en"], out, 800)
+    with open(codes, encoding="utf-8") as f:
+        bpe = BPE(f)
+    for (split, lang), lines in tokenized.items():
+        (work / f"{split}.bpe.{lang}").write_text("".join(bpe.process_line(s) + "\n" for s in lines))
+    destdir = work / "bin"
+    run_cli([
+        fairseq_cli("fairseq-preprocess"), "--source-lang", "de", "--target-lang", "en",
+        "--trainpref", work / "train.bpe", "--validpref", work / "valid.bpe", "--testpref", work / "test.bpe",
+        "--destdir", destdir, "--joined-dictionary", "--workers", "1",
+    ])
+    return destdir

@@ -208,6 +208,9 @@ class MultiheadAttentionBase(nn.Module):
                 k_state = self.token_state(key)
             k = self._split_heads(self.k_proj(key))
             v = self._split_heads(self.v_proj(value))
+            # Expand before caching, so that the cache always has the query batch and beam
+            # search's reordering (a bsz-sized new_order) applies to it.
+            k, v, k_state, key_padding_mask = self._expand_to_batch(bsz, k, v, k_state, key_padding_mask)
 
         if incremental_state is not None:
             k_state = {name: k_state[name] for name in self.cached_state_names if name in k_state}
@@ -235,15 +238,7 @@ class MultiheadAttentionBase(nn.Module):
                     saved["prev_" + name] = t
                 self._set_input_buffer(incremental_state, saved)
 
-        if k.size(0) != bsz:
-            # Encoder states shared by the beams of a sentence (kv_bsz = bsz / beam).
-            if bsz % k.size(0) != 0:
-                raise ValueError(f"query batch {bsz} is not a multiple of key batch {k.size(0)}")
-            repeat = bsz // k.size(0)
-            k, v = k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)
-            k_state = {name: t.repeat_interleave(repeat, 0) for name, t in k_state.items()}
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.repeat_interleave(repeat, 0)
+        k, v, k_state, key_padding_mask = self._expand_to_batch(bsz, k, v, k_state, key_padding_mask)
 
         src_len = k.size(2)
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
@@ -265,9 +260,24 @@ class MultiheadAttentionBase(nn.Module):
             return out, weights.transpose(0, 1)
         return out, weights.mean(dim=1)
 
+    @staticmethod
+    def _expand_to_batch(
+        bsz: int, k: Tensor, v: Tensor, k_state: Dict[str, Tensor], key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Dict[str, Tensor], Optional[Tensor]]:
+        """Repeat encoder states shared by the beams of a sentence (kv_bsz = bsz / beam) to bsz."""
+
+        def expand(t: Optional[Tensor]) -> Optional[Tensor]:
+            if t is None or t.dim() == 0 or t.size(0) == bsz:
+                return t
+            if bsz % t.size(0) != 0:
+                raise ValueError(f"query batch {bsz} is not a multiple of key batch {t.size(0)}")
+            return t.repeat_interleave(bsz // t.size(0), 0)
+
+        return expand(k), expand(v), {name: expand(t) for name, t in k_state.items()}, expand(key_padding_mask)
+
     def explicit_softmax(self, logits: Tensor) -> Tensor:
-        """Softmax in fp32 (fairseq does the same) for the weights-returning path."""
-        return torch.softmax(logits.float(), dim=-1)
+        """Softmax in (at least) fp32 (fairseq does the same) for the weights-returning path."""
+        return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
     def apply_dropout(self, weights: Tensor) -> Tensor:
         return F.dropout(weights, p=self.dropout, training=self.training)

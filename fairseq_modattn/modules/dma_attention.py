@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
-from .gmm import DiagonalGMM
+from .gmm import DiagonalGMM, at_least_fp32
+from .logspace import log_matmul_exp
 from .mi_bounds import diversity_penalty, head_dependence_bound, infonce_bound, masked_token_mean
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
@@ -54,20 +55,10 @@ def annealing_rate(num_updates: int, alpha: float, rate: float) -> float:
 def log_semantic_mask(log_pq: Tensor, log_pk: Tensor, drop_row_constant: bool = False) -> Tensor:
     """log M_ij = log sum_c P^q_ic P^k_jc for (B, H, T, C) and (B, H, S, C) log posteriors.
 
-    fp32, via exp-matmul-log with each row shifted by its max, so that the matmul operands lie
-    in [0, 1] with a 1 in every row. Where every product underflows (posteriors that disagree
-    beyond ~1e-38), log M is clamped at log(tiny) ~ -87 instead of -inf, keeping rows finite.
-    ``drop_row_constant`` omits the per-query shift, which a softmax over keys ignores.
+    fp32, no (B, H, T, S, C) tensor; see ``logspace.log_matmul_exp`` for the underflow clamp.
+    ``drop_row_constant`` omits a per-query constant, which a softmax over keys ignores.
     """
-    with torch.autocast(device_type=log_pq.device.type, enabled=False):
-        log_pq, log_pk = log_pq.float(), log_pk.float()
-        shift_q = log_pq.amax(-1, keepdim=True)
-        shift_k = log_pk.amax(-1, keepdim=True)
-        inner = torch.matmul((log_pq - shift_q).exp(), (log_pk - shift_k).exp().transpose(-1, -2))
-        log_m = inner.clamp_min(torch.finfo(torch.float32).tiny).log() + shift_k.transpose(-1, -2)
-        if not drop_row_constant:
-            log_m = log_m + shift_q
-    return log_m
+    return log_matmul_exp(log_pq, log_pk, drop_row_constant)
 
 
 class DisentangledMaskAttention(MultiheadAttentionBase):
@@ -175,9 +166,10 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
 
         if need_weights:
             scale = self.head_dim ** -0.5
-            logits = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
+            dtype = at_least_fp32(q)
+            logits = torch.matmul(q.to(dtype) * scale, k.to(dtype).transpose(-1, -2))
             if mask is not None:
-                logits = logits + mask.float()
+                logits = logits + mask.to(dtype)
             weights = self.explicit_softmax(logits)
             if log_m is not None:
                 weights = (1.0 - gamma) * weights + gamma * self.explicit_softmax(logits + log_m)

@@ -38,6 +38,14 @@ from fairseq.modules import GradMultiply
 from torch import Tensor
 
 
+def at_least_fp32(*tensors: Tensor) -> torch.dtype:
+    """The dtype "fp32" computations run in: fp32 for half/bf16/fp32 inputs, fp64 for fp64."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 class GMMStatistics(NamedTuple):
     """Per-point results of one GMM evaluation, all fp32.
 
@@ -105,11 +113,12 @@ class DiagonalGMM(nn.Module):
         """
         device_type = x.device.type
         with torch.autocast(device_type=device_type, enabled=False):
-            x = x.float()
-            means = self._effective_means().float()
-            log_vars = self.log_vars.float()
+            dtype = at_least_fp32(x, self.means)
+            x = x.to(dtype)
+            means = self._effective_means().to(dtype)
+            log_vars = self.log_vars.to(dtype)
             inv_var = torch.exp(-log_vars)
-            log_pi = torch.log_softmax(self.logits.float(), dim=-1).unsqueeze(-2)  # (G, 1, C)
+            log_pi = torch.log_softmax(self.logits.to(dtype), dim=-1).unsqueeze(-2)  # (G, 1, C)
             log_det = log_vars.sum(-1).unsqueeze(-2)  # (G, 1, C)
             log_norm = log_pi - 0.5 * (log_det + self.dim * math.log(2.0 * math.pi))
 

@@ -1,0 +1,701 @@
+#!/usr/bin/env python
+"""Speed and memory of the DMA transformer against fairseq's transformer, same dimensions.
+
+Both models are built in one process through fairseq's own registries, exactly as
+``fairseq-train`` builds them: ``fairseq.options`` parses ``--arch transformer_iwslt_de_en``
+and ``--arch dma_transformer_iwslt_de_en`` (after ``import fairseq_modattn``), a real
+``TranslationTask`` is created over synthetic ``Dictionary`` objects (``--dict-size`` symbols,
+default 10k, shared by source and target), and ``fairseq.models.build_model`` /
+``fairseq.criterions.build_criterion`` build the model (same ``--seed`` for both) and the
+criterion (``label_smoothed_cross_entropy`` for the transformer,
+``label_smoothed_cross_entropy_with_aux`` for DMA, label smoothing 0.1). Dimensions are those
+of the iwslt_de_en architectures: 512 embeddings, 1024 FFN, 4 heads, 6 + 6 layers, dropout 0.3.
+
+Training step (``--lengths``, default 32 128 512)
+    For each length L, a batch of ``--tokens // L`` sentences of L random token ids (the last
+    one EOS; no padding; source and target the same length; ``prev_output_tokens`` is the
+    target shifted right as fairseq's collater does). One measured step is
+    ``criterion(model, sample)`` + ``loss.backward()`` in train mode, gradients set to None
+    beforehand (outside the timer), as fairseq's trainer does. The DMA model gets
+    ``set_num_updates(--num-updates)`` (default 4000, gamma = 0.5), so the semantic-mask
+    path (two SDPA calls per attention plus the GMM posteriors) and the regularisers really
+    run; the script checks that the criterion logs gamma > 0. Per length, each model first
+    runs the memory step (below), so its first step at a new shape is never timed; then
+    ``--warmup`` untimed steps each, then ``--repeats`` timed steps, alternately (transformer,
+    DMA, transformer, ...) so that drifts of the machine hit both alike; the table shows
+    medians. ``--repeats`` and ``--warmup`` take one value or one per length (e.g.
+    ``--repeats 3 3 1``: a DMA step at length 512 is slow on a CPU).
+
+Peak memory (MB = 2**20 bytes) is the peak of *tensor memory allocated during one training
+step* above what was allocated before it (weights, inputs): activations kept for backward,
+temporaries, and the gradients (allocated inside the step because they are None before it).
+    * CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` around the step, after
+      ``reset_peak_memory_stats``.
+    * CPU: one extra step under ``torch.profiler.profile(profile_memory=True)``. While memory
+      profiling is on, torch's CPU allocator reports every allocation and free of tensor
+      storage to the profiler together with its running total of allocated bytes
+      (``total_allocated`` of the profiler's Allocation events, the CPU counterpart of the CUDA
+      caching allocator's statistic). The peak is the maximum of that running total over the
+      step minus its value just before the step's first allocation. This counts exactly the
+      bytes that tensors occupy (no malloc arenas, fragmentation, Python objects or shared
+      libraries, which blur ``ru_maxrss``; ``tracemalloc`` would not see torch at all), and is
+      deterministic. Memory freed during the step that was allocated before it is not
+      subtracted (the allocator only tracks blocks allocated while profiling), which can only
+      overstate the peak; with gradients set to None beforehand a training step normally
+      frees no such block.
+    On CPU the script caps its own address space (``--memory-limit-gb``, default 90% of
+    MemAvailable) so that a step too large for the machine fails with torch's catchable
+    allocation error instead of the kernel's OOM killer; that model is then reported as OOM at
+    that length (no time, no ratio) and the run goes on. The JSON is rewritten after every
+    length, so a crash keeps the lengths already measured.
+
+Generation (skip with ``--no-generate``)
+    Both models in eval mode (random weights, DMA with the same ``--num-updates``) translate
+    the same ``--gen-sentences`` synthetic sources (lengths 20-30, left-padded as fairseq's
+    translation task does) with ``fairseq.sequence_generator.SequenceGenerator`` (beam
+    ``--beam``, max_len_a=0, max_len_b = min_len = ``--gen-len``), so every hypothesis has
+    exactly ``--gen-len`` tokens + EOS whatever the weights and both models decode the same
+    number of steps (checked). Reported: sentences/s (median over ``--gen-repeats`` full passes
+    after one warm-up batch) and the ratio DMA / transformer (> 1 means DMA is faster).
+
+Results depend on the plugin sources of the checkout; the JSON records the git commit, whether
+fairseq_modattn/ has uncommitted changes, and a hash of its sources.
+
+Output: the table (length, batch, ms, ratios, MB), a note on how the time ratio grows with
+length compared with a cost that scales like attention, the generation speeds, and a JSON file
+(``--json``, default benchmarks/results/bench_dma.json). ``--profile L`` additionally prints
+the top ops by self CPU time of the DMA training step at length L (torch.profiler).
+
+Examples:
+    python benchmarks/bench_dma.py                                  # full run, CPU
+    python benchmarks/bench_dma.py --repeats 3 --warmup 1 --threads 2
+    python benchmarks/bench_dma.py --device cuda --repeats 10 --warmup 3
+    python benchmarks/bench_dma.py --quick                          # smoke run, seconds
+"""
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run from a checkout without installing the plugin
+    sys.path.insert(0, str(REPO))
+
+logging.disable(logging.WARNING)  # fairseq's import-time notices; errors still raise
+
+import fairseq  # noqa: E402
+from fairseq import criterions, models, options  # noqa: E402
+from fairseq.data import Dictionary, data_utils  # noqa: E402
+from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
+from fairseq.tasks.translation import TranslationTask  # noqa: E402
+
+import fairseq_modattn  # noqa: E402,F401  (registers dma_transformer_* and the aux criterion)
+
+MB = float(2 ** 20)
+LIMIT_NOTE = []  # the --memory-limit-gb in force, for the table's OOM note
+DEFAULT_JSON = REPO / "benchmarks" / "results" / "bench_dma.json"
+
+# (name, --arch, --criterion)
+MODELS = (
+    ("transformer", "transformer_iwslt_de_en", "label_smoothed_cross_entropy"),
+    ("dma", "dma_transformer_iwslt_de_en", "label_smoothed_cross_entropy_with_aux"),
+)
+
+# --quick: tiny model and batches, only to check that the whole pipeline runs.
+QUICK_MODEL_ARGS = [
+    "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+    "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
+    "--encoder-layers", "2", "--decoder-layers", "2",
+]
+QUICK = dict(lengths=[8, 32], tokens=256, repeats=[2], warmup=[1], dict_size=1000,
+             gen_sentences=8, gen_batch_size=4, gen_len=8, gen_repeats=1)
+
+
+# ----------------------------------------------------------------------------- building
+def synthetic_dictionary(size: int) -> Dictionary:
+    """A fairseq Dictionary of ``size`` symbols in all (4 specials + size - 4 words)."""
+    d = Dictionary()
+    for i in range(max(size - d.nspecial, 1)):
+        d.add_symbol(f"w{i}", n=1000 - i % 1000)
+    d.finalize(padding_factor=1)
+    return d
+
+
+def parse_fairseq_args(arch: str, criterion: str, seed: int, extra) -> argparse.Namespace:
+    """fairseq-train's argument parsing for ``--arch arch`` (fills the architecture defaults)."""
+    parser = options.get_training_parser()
+    argv = [
+        "synthetic-data-bin", "--task", "translation", "-s", "src", "-t", "tgt",
+        "--arch", arch, "--criterion", criterion, "--label-smoothing", "0.1",
+        "--seed", str(seed), "--max-source-positions", "1024", "--max-target-positions", "1024",
+        *extra,
+    ]
+    return options.parse_args_and_arch(parser, input_args=argv)
+
+
+def build(name, arch, criterion_name, cfg, src_dict, tgt_dict, device):
+    args = parse_fairseq_args(arch, criterion_name, cfg.seed, cfg.model_args)
+    task = TranslationTask(args, src_dict, tgt_dict)
+    torch.manual_seed(cfg.seed)  # same initialisation stream for both models
+    model = models.build_model(args, task).to(device)
+    criterion = criterions.build_criterion(args, task).to(device)
+    if hasattr(model, "dma_modules"):
+        model.set_num_updates(cfg.num_updates)
+    return {"name": name, "arch": arch, "criterion_name": criterion_name, "args": args, "task": task,
+            "model": model, "criterion": criterion,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def training_sample(length: int, bsz: int, d: Dictionary, gen: torch.Generator, device):
+    """bsz x length random tokens, last one EOS, no padding; fairseq's collater layout."""
+    def tokens():
+        t = torch.randint(d.nspecial, len(d), (bsz, length), generator=gen)
+        t[:, -1] = d.eos()
+        return t
+
+    src, tgt = tokens(), tokens()
+    prev = torch.cat([tgt.new_full((bsz, 1), d.eos()), tgt[:, :-1]], dim=1)
+    sample = {
+        "id": torch.arange(bsz),
+        "nsentences": bsz,
+        "ntokens": bsz * length,
+        "net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), length, dtype=torch.long),
+                      "prev_output_tokens": prev},
+        "target": tgt,
+    }
+    return move_to(sample, device)
+
+
+def move_to(obj, device):
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+# ----------------------------------------------------------------------------- measuring
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(entry, sample):
+    """One forward + backward with the real criterion; returns the criterion's logging output."""
+    loss, sample_size, logging_output = entry["criterion"](entry["model"], sample)
+    loss.backward()
+    return logging_output
+
+
+def zero_grad(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def timed_step(entry, sample, device) -> float:
+    zero_grad(entry["model"])
+    sync(device)
+    start = time.perf_counter()
+    train_step(entry, sample)
+    sync(device)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def cpu_peak_step_bytes(entry, sample) -> int:
+    """Peak tensor bytes allocated during one CPU training step (see the module docstring)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    zero_grad(entry["model"])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        log = train_step(entry, sample)
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields))
+        stack.extend(node.children)
+    if not events:
+        raise RuntimeError("the profiler reported no CPU allocation events")
+    events.sort(key=lambda e: e[0])
+    first = events[0][1]
+    baseline = first.total_allocated - first.alloc_size
+    return max(e.total_allocated for _, e in events) - baseline, log
+
+
+def cuda_peak_step_bytes(entry, sample, device) -> int:
+    zero_grad(entry["model"])
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    log = train_step(entry, sample)
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - before, log
+
+
+def peak_step_mb(entry, sample, device):
+    """(peak MB of one training step, the criterion's logging output of that step)."""
+    if device.type == "cuda":
+        peak, log = cuda_peak_step_bytes(entry, sample, device)
+    else:
+        peak, log = cpu_peak_step_bytes(entry, sample)
+    return peak / MB, log
+
+
+def per_length(values, lengths, option):
+    """--repeats / --warmup: one value for every length, or one per length."""
+    if len(values) == 1:
+        return {length: values[0] for length in lengths}
+    if len(values) != len(lengths):
+        raise SystemExit(f"{option}: give one value or one per length ({len(lengths)}), got {values}")
+    return dict(zip(lengths, values))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation: CUDA OOM, or on CPU (under --memory-limit-gb) torch's allocator error."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
+
+
+def bench_training(entries, cfg, d, device, on_row=None):
+    """One row per length; a model that runs out of memory at a length gets None there."""
+    rows = []
+    gen = torch.Generator().manual_seed(cfg.seed)
+    repeats = per_length(cfg.repeats, cfg.lengths, "--repeats")
+    warmups = per_length(cfg.warmup, cfg.lengths, "--warmup")
+    for length in cfg.lengths:
+        bsz = max(cfg.tokens // length, 1)
+        sample = training_sample(length, bsz, d, gen, device)
+        for e in entries:
+            e["model"].train()
+        # The memory step comes first, so it is also the first (untimed) step at this shape.
+        peaks, gammas, oom = {}, {}, {}
+        for e in entries:
+            try:
+                peaks[e["name"]], log = peak_step_mb(e, sample, device)
+                gammas[e["name"]] = float(log.get("gamma", 0.0)) / float(log["sample_size"])
+            except Exception as exc:  # noqa: BLE001  (only allocation failures are absorbed)
+                if not is_out_of_memory(exc):
+                    raise
+                oom[e["name"]] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                peaks[e["name"]] = None
+                del exc
+                zero_grad(e["model"])
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                print(f"  L={length:4d} B={bsz:4d}: {e['name']} ran out of memory: {oom[e['name']]}", flush=True)
+        if "dma" not in oom and gammas["dma"] <= 0.0:
+            raise RuntimeError(f"DMA trained with gamma = {gammas['dma']}: the mask path was not exercised")
+        running = [e for e in entries if e["name"] not in oom]
+        for _ in range(warmups[length]):
+            for e in running:
+                zero_grad(e["model"])
+                train_step(e, sample)
+        times = {e["name"]: [] for e in entries}
+        for _ in range(max(repeats[length], 1)):
+            for e in running:
+                times[e["name"]].append(timed_step(e, sample, device))
+        for e in entries:
+            zero_grad(e["model"])
+        del sample
+        gc.collect()
+
+        t_ms, d_ms = (statistics.median(times[n]) if times[n] else None for n in ("transformer", "dma"))
+        t_mb, d_mb = peaks["transformer"], peaks["dma"]
+        row = {
+            "length": length, "batch": bsz, "tokens": bsz * length,
+            "transformer_ms": t_ms, "dma_ms": d_ms, "time_ratio": d_ms / t_ms if t_ms and d_ms else None,
+            "transformer_mb": t_mb, "dma_mb": d_mb, "memory_ratio": d_mb / t_mb if t_mb and d_mb else None,
+            "transformer_ms_all": times["transformer"], "dma_ms_all": times["dma"],
+            "repeats": max(repeats[length], 1), "warmup": warmups[length], "dma_gamma": gammas.get("dma"),
+            "out_of_memory": oom,
+        }
+        rows.append(row)
+        print(f"  L={length:4d} B={bsz:4d}: transformer {fmt(t_ms, 9, 1)} ms {fmt(t_mb, 8, 1)} MB | "
+              f"DMA {fmt(d_ms, 9, 1)} ms {fmt(d_mb, 8, 1)} MB", flush=True)
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
+def fmt(value, width, digits):
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'OOM':>{width}}"
+
+
+def scaling_note(rows):
+    """How the time ratio and DMA's extra time per token grow with length."""
+    lines, fits = [], []
+    rows = [r for r in rows if r["time_ratio"] is not None]
+    for a, b in zip(rows, rows[1:]):
+        factor = b["length"] / a["length"]
+        extra_a = (a["dma_ms"] - a["transformer_ms"]) / a["tokens"]
+        extra_b = (b["dma_ms"] - b["transformer_ms"]) / b["tokens"]
+        base_a, base_b = a["transformer_ms"] / a["tokens"], b["transformer_ms"] / b["tokens"]
+        fit = {"from": a["length"], "to": b["length"], "length_factor": factor,
+               "time_ratio_factor": b["time_ratio"] / a["time_ratio"],
+               "transformer_ms_per_token_factor": base_b / base_a,
+               "transformer_exponent": math.log(base_b / base_a) / math.log(factor)}
+        if extra_a > 0 and extra_b > 0:
+            fit["dma_extra_ms_per_token_factor"] = extra_b / extra_a
+            fit["dma_extra_exponent"] = math.log(extra_b / extra_a) / math.log(factor)
+        fits.append(fit)
+        line = (f"  L {a['length']} -> {b['length']} (x{factor:g}): time ratio {a['time_ratio']:.2f} -> "
+                f"{b['time_ratio']:.2f} (x{fit['time_ratio_factor']:.2f}); transformer ms/token "
+                f"x{fit['transformer_ms_per_token_factor']:.2f} (L^{fit['transformer_exponent']:.2f})")
+        if "dma_extra_exponent" in fit:
+            line += (f"; DMA extra ms/token x{fit['dma_extra_ms_per_token_factor']:.2f} "
+                     f"(L^{fit['dma_extra_exponent']:.2f})")
+        else:
+            line += "; DMA extra ms/token not positive at both lengths"
+        lines.append(line)
+    lines.append("  Per token, plain attention scores (T x S per sentence) cost L^1 and projections/FFN/"
+                 "output layer L^0: an extra DMA cost near L^1 scales like attention (log M, the second "
+                 "SDPA, the N x N InfoNCE critic), near L^0 like a per-token cost (GMM posteriors, KL). "
+                 "The ratio DMA/transformer stays flat if DMA's extra cost scales like the "
+                 "transformer's own mix, and grows with length if it is more attention-heavy.")
+    return lines, fits
+
+
+# ----------------------------------------------------------------------------- generation
+def generation_batches(cfg, d: Dictionary, device):
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    lengths = torch.randint(20, 31, (cfg.gen_sentences,), generator=gen).tolist()
+    sentences = []
+    for n in lengths:
+        t = torch.randint(d.nspecial, len(d), (n,), generator=gen)
+        t[-1] = d.eos()
+        sentences.append(t)
+    batches = []
+    for i in range(0, len(sentences), cfg.gen_batch_size):
+        chunk = sentences[i:i + cfg.gen_batch_size]
+        src = data_utils.collate_tokens(chunk, d.pad(), d.eos(), left_pad=True)
+        batches.append(move_to({
+            "id": torch.arange(i, i + len(chunk)),
+            "net_input": {"src_tokens": src, "src_lengths": torch.tensor([len(t) for t in chunk])},
+        }, device))
+    return batches, lengths
+
+
+def bench_generation(entries, cfg, d, device):
+    batches, src_lengths = generation_batches(cfg, d, device)
+    generators = {}
+    for e in entries:
+        e["model"].eval()
+        zero_grad(e["model"])
+        generators[e["name"]] = SequenceGenerator(
+            [e["model"]], e["task"].target_dictionary, beam_size=cfg.beam,
+            max_len_a=0, max_len_b=cfg.gen_len, min_len=cfg.gen_len,
+        )
+
+    def run_pass(e, subset):
+        hyp_lengths = []
+        for sample in subset:
+            for hypos in generators[e["name"]].generate([e["model"]], sample):
+                hyp_lengths.append(len(hypos[0]["tokens"]))
+        return hyp_lengths
+
+    for e in entries:  # warm-up: one batch
+        run_pass(e, batches[:1])
+    times = {e["name"]: [] for e in entries}
+    out_lengths = {}
+    for _ in range(cfg.gen_repeats):
+        for e in entries:
+            sync(device)
+            start = time.perf_counter()
+            out_lengths[e["name"]] = run_pass(e, batches)
+            sync(device)
+            times[e["name"]].append(time.perf_counter() - start)
+    expected = cfg.gen_len + 1
+    for name, lens in out_lengths.items():
+        if set(lens) != {expected}:
+            raise RuntimeError(f"{name}: hypotheses of lengths {sorted(set(lens))}, expected all {expected}")
+    result = {"sentences": cfg.gen_sentences, "batch_size": cfg.gen_batch_size, "beam": cfg.beam,
+              "max_len_a": 0, "max_len_b": cfg.gen_len, "min_len": cfg.gen_len,
+              "output_tokens_per_hypothesis": expected,
+              "source_lengths": [min(src_lengths), max(src_lengths)]}
+    for name in ("transformer", "dma"):
+        sec = statistics.median(times[name])
+        result[f"{name}_seconds"] = sec
+        result[f"{name}_seconds_all"] = times[name]
+        result[f"{name}_sentences_per_s"] = cfg.gen_sentences / sec
+    result["sentences_per_s_ratio"] = result["dma_sentences_per_s"] / result["transformer_sentences_per_s"]
+    return result
+
+
+# ----------------------------------------------------------------------------- profiling
+def source_location(chain):
+    """Innermost frame of a Python call chain in the plugin or in fairseq (e.g. an FFN matmul goes
+    to fairseq's transformer layer, a GMM matmul to the plugin's gmm.py), else None."""
+    for frame in reversed(chain):
+        for marker in ("fairseq_modattn/", "fairseq/"):
+            if marker in frame:
+                return frame[frame.index(marker):]
+    return None
+
+
+def self_time_by_source(prof):
+    """Self CPU time of every op, attributed to the Python function that issued it.
+
+    Forward ops: the innermost plugin (else fairseq) frame of their call chain. Backward ops run
+    in the autograd engine without Python frames; they go to the frame of the forward op whose
+    sequence number their ``autograd::engine::evaluate_function: XBackward`` node carries.
+    """
+    from torch._C._profiler import _EventType
+
+    python = (_EventType.PyCall, _EventType.PyCCall)
+    forward_location, ops = {}, []  # ops: (self ns, location, backward sequence number or None)
+
+    def walk(nodes, chain, backward_seq):
+        for node in nodes:
+            if node.tag in python:
+                walk(node.children, chain + [node.name], backward_seq)
+                continue
+            if node.tag != _EventType.TorchOp:
+                continue
+            seq = node.extra_fields.sequence_number
+            child_ns = sum(c.duration_time_ns for c in node.children if c.tag == _EventType.TorchOp or c.tag in python)
+            location = source_location(chain)
+            if node.name.startswith("autograd::engine::evaluate_function"):
+                backward_seq = seq
+            elif backward_seq is None and seq >= 0 and location is not None:
+                forward_location.setdefault(seq, location)
+            ops.append((node.duration_time_ns - child_ns, location, backward_seq))
+            walk(node.children, chain, backward_seq)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree(), [], None)
+    totals = {}
+    for self_ns, location, backward_seq in ops:
+        if backward_seq is not None:
+            location = forward_location.get(backward_seq, "(unattributed)") + " [backward]"
+        elif location is None:
+            location = "(no fairseq frame: criterion / autograd glue)"
+        totals[location] = totals.get(location, 0) + max(self_ns, 0)
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def profile_dma(entry, cfg, d, device, length, top=15):
+    """Top ops (self time) of one DMA training step, and the same time by issuing function."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bsz = max(cfg.tokens // length, 1)
+    sample = training_sample(length, bsz, d, torch.Generator().manual_seed(cfg.seed), device)
+    entry["model"].train()
+    zero_grad(entry["model"])
+    train_step(entry, sample)  # warm-up at this shape
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    zero_grad(entry["model"])
+    with profile(activities=activities, with_stack=True) as prof:
+        train_step(entry, sample)
+        sync(device)
+    zero_grad(entry["model"])
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    ops_table = prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=60)
+    by_source = self_time_by_source(prof)
+    total = sum(ns for _, ns in by_source) or 1
+    lines = [f"{'self CPU s':>10} {'share':>6}  issuing function (forward; [backward] = its autograd backward)"]
+    for location, ns in by_source[:top]:
+        lines.append(f"{ns / 1e9:>10.3f} {100.0 * ns / total:>5.1f}%  {location}")
+    return ops_table, "\n".join(lines), [{"location": loc, "self_s": ns / 1e9} for loc, ns in by_source]
+
+
+# ----------------------------------------------------------------------------- main
+def format_table(rows):
+    header = (f"{'length':>6} {'batch':>5} {'transformer ms':>14} {'DMA ms':>9} {'time ratio':>10} "
+              f"{'transformer MB':>14} {'DMA MB':>9} {'mem ratio':>9}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ratio = lambda v, w: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        lines.append(f"{r['length']:>6} {r['batch']:>5} {fmt(r['transformer_ms'], 14, 1)} {fmt(r['dma_ms'], 9, 1)} "
+                     f"{ratio(r['time_ratio'], 10)} {fmt(r['transformer_mb'], 14, 1)} {fmt(r['dma_mb'], 9, 1)} "
+                     f"{ratio(r['memory_ratio'], 9)}")
+    if any(r["out_of_memory"] for r in rows):
+        limit = f" (address-space limit {LIMIT_NOTE[0]})" if LIMIT_NOTE else ""
+        lines.append(f"OOM: the training step could not allocate its memory{limit}")
+    return lines
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512], help="sentence lengths")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per batch (batch = tokens // length)")
+    p.add_argument("--repeats", type=int, nargs="+", default=[3],
+                   help="timed training steps per model: one value, or one per length (e.g. 3 3 1)")
+    p.add_argument("--warmup", type=int, nargs="+", default=[1],
+                   help="untimed steps per model before timing, on top of the memory step that runs "
+                        "first: one value, or one per length")
+    p.add_argument("--dict-size", type=int, default=10000, help="symbols of the synthetic dictionary")
+    p.add_argument("--num-updates", type=int, default=4000,
+                   help="DMA set_num_updates (4000 -> gamma = 0.5, the final value)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--memory-limit-gb", type=float, default=None,
+                   help="CPU: cap this process's address space (RLIMIT_AS), so that a step too big for the "
+                        "machine fails with a catchable allocation error (reported as OOM) instead of being "
+                        "killed by the kernel; default 90%% of MemAvailable at start, 0 = no cap")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model (64/128, 2+2 layers, 1k symbols) and batches: a smoke run")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
+    p.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
+    p.add_argument("--no-train", action="store_true", help="skip the training-step benchmark")
+    p.add_argument("--gen-sentences", type=int, default=64)
+    p.add_argument("--gen-batch-size", type=int, default=32)
+    p.add_argument("--gen-len", type=int, default=40, help="max_len_b = min_len of the generator")
+    p.add_argument("--gen-repeats", type=int, default=1, help="timed passes over all sentences")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--profile", type=int, default=None, metavar="L",
+                   help="also print the top 15 ops (self time) of one DMA training step at length L")
+    return p
+
+
+def limit_address_space(limit_gb):
+    """Set RLIMIT_AS (Linux); returns the limit in GB actually set, or None."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    if limit_gb is None:
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        except (OSError, ValueError):
+            return None
+        limit_gb = 0.9 * info["MemAvailable"] * 1024 / 1e9
+    if limit_gb <= 0:
+        return None
+    limit = int(limit_gb * 1e9)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    LIMIT_NOTE.append(f"{limit / 1e9:.1f} GB")
+    return limit / 1e9
+
+
+def provenance():
+    """Git commit of the checkout and a hash of the plugin sources actually benchmarked."""
+    import hashlib
+    import subprocess
+
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "fairseq_modattn").rglob("*.py")):
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    info = {"plugin_sources_sha256": digest.hexdigest()[:16], "plugin_file": fairseq_modattn.__file__}
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                            text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fairseq_modattn"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout
+        info["plugin_dirty"] = bool(dirty.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def write_json(path: Path, results):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+
+
+def main(argv=None):
+    cfg = get_parser().parse_args(argv)
+    cfg.model_args = []
+    if cfg.quick:
+        explicit = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
+        for key, value in QUICK.items():
+            if "--" + key.replace("_", "-") not in explicit:
+                setattr(cfg, key, value)
+        cfg.model_args = QUICK_MODEL_ARGS
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; running on CPU", flush=True)
+        device = torch.device("cpu")
+    cfg.device = str(device)
+    if device.type == "cpu":
+        cfg.memory_limit_gb = limit_address_space(cfg.memory_limit_gb)
+
+    d = synthetic_dictionary(cfg.dict_size)
+    entries = [build(name, arch, crit, cfg, d, d, device) for name, arch, crit in MODELS]
+    dma = entries[1]["model"]
+    a = entries[1]["args"]
+    print(f"fairseq {fairseq.__version__}, torch {torch.__version__}, device {device}, "
+          f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+    print(f"models: {a.encoder_embed_dim} emb, {a.encoder_ffn_embed_dim} FFN, {a.encoder_attention_heads} heads, "
+          f"{a.encoder_layers}+{a.decoder_layers} layers, dict {len(d)}; params transformer "
+          f"{entries[0]['params'] / 1e6:.2f}M, DMA {entries[1]['params'] / 1e6:.2f}M; DMA clusters "
+          f"{a.dma_clusters}, {len(dma.dma_modules())} DMA attentions, gamma {dma.dma_modules()[0].gamma:.3f} "
+          f"(num_updates {cfg.num_updates})", flush=True)
+
+    results = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
+        "env": {"fairseq": fairseq.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                "memory_method": "torch.cuda.max_memory_allocated" if device.type == "cuda"
+                else "torch.profiler profile_memory total_allocated peak"},
+        "provenance": provenance(),
+        "models": {e["name"]: {"arch": e["arch"], "criterion": e["criterion_name"], "params": e["params"]}
+                   for e in entries},
+    }
+
+    if not cfg.no_train:
+        print(f"\ntraining step (forward + backward, real criterion, train mode), ~{cfg.tokens} tokens/batch, "
+              f"memory step first, then --warmup {' '.join(map(str, cfg.warmup))} untimed and --repeats "
+              f"{' '.join(map(str, cfg.repeats))} timed steps (median):", flush=True)
+        def save_partial(rows_so_far):
+            results["train"] = rows_so_far
+            write_json(cfg.json, results)
+
+        rows = bench_training(entries, cfg, d, device, on_row=save_partial)
+        results["train"] = rows
+        print()
+        for line in format_table(rows):
+            print(line)
+        note, fits = scaling_note(rows)
+        results["scaling"] = fits
+        if note:
+            print("\ngrowth with length:")
+            for line in note:
+                print(line)
+
+    if not cfg.no_generate:
+        print(f"\ngeneration: SequenceGenerator beam {cfg.beam}, {cfg.gen_sentences} sentences (source "
+              f"20-30 tokens), batch {cfg.gen_batch_size}, exactly {cfg.gen_len} tokens + EOS each ...",
+              flush=True)
+        g = bench_generation(entries, cfg, d, device)
+        results["generation"] = g
+        print(f"  transformer {g['transformer_sentences_per_s']:8.2f} sentences/s | DMA "
+              f"{g['dma_sentences_per_s']:8.2f} sentences/s | ratio DMA/transformer "
+              f"{g['sentences_per_s_ratio']:.2f}")
+
+    if cfg.profile is not None:
+        print(f"\ntop ops of one DMA training step at length {cfg.profile}, "
+              f"batch {max(cfg.tokens // cfg.profile, 1)} (torch.profiler, self time):", flush=True)
+        ops_table, source_table, by_source = profile_dma(entries[1], cfg, d, device, cfg.profile)
+        results["profile"] = {"length": cfg.profile, "ops_table": ops_table, "by_source": by_source}
+        print(ops_table)
+        print("the same self time by the Python function that issued the op:")
+        print(source_table)
+
+    write_json(cfg.json, results)
+    print(f"\nresults written to {cfg.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -13,9 +13,9 @@ present and does nothing otherwise, so an installed fairseq that already behaves
 
 2. torch >= 2.6 defaults ``torch.load(weights_only=True)``; fairseq's
    ``checkpoint_utils.load_checkpoint_to_cpu`` calls ``torch.load`` without ``weights_only``,
-   and fairseq checkpoints hold ``argparse.Namespace`` (legacy model args) and fairseq's meter
-   objects, so ``fairseq-generate``, ``fairseq-interactive``, ``--restore-file`` and checkpoint
-   averaging fail on every checkpoint. Rather than turning the safe loader off, we allow-list
+   and fairseq checkpoints hold ``argparse.Namespace`` (legacy model args), so
+   ``fairseq-generate``, ``fairseq-interactive``, ``--restore-file`` and checkpoint averaging
+   fail on every checkpoint. Rather than turning the safe loader off, we allow-list
    exactly the classes fairseq itself writes into checkpoints (``FAIRSEQ_CHECKPOINT_GLOBALS``);
    any other class in a file is still refused by torch.
 """
@@ -75,23 +75,9 @@ if getattr(_FAIRSEQ_BATCH_BY_SIZE, "__module__", "") != __name__ and _drops_last
 
 
 # ------------------------------------------------------------------ 2. load fairseq checkpoints
-def fairseq_checkpoint_globals():
-    """Classes that fairseq writes into its own checkpoints (found by
-    ``torch.serialization.get_unsafe_globals_in_checkpoint`` on checkpoints of this package's
-    models and of fairseq's transformer; tests/test_compat.py re-checks the list)."""
-    from fairseq.logging import meters
-
-    classes = [
-        argparse.Namespace,
-        meters.AverageMeter,
-        meters.SumMeter,
-        meters.TimeMeter,
-        meters.StopwatchMeter,
-        meters.MetersDict,
-    ]
-    return classes
-
-
-FAIRSEQ_CHECKPOINT_GLOBALS = fairseq_checkpoint_globals()
+# The only non-tensor class that fairseq writes into its checkpoints (legacy model args), as
+# reported by torch.serialization.get_unsafe_globals_in_checkpoint on checkpoint_best.pt and
+# checkpoint_last.pt of this package's models; tests/test_cli.py loads one with weights_only.
+FAIRSEQ_CHECKPOINT_GLOBALS = [argparse.Namespace]
 if hasattr(torch.serialization, "add_safe_globals"):
     torch.serialization.add_safe_globals(FAIRSEQ_CHECKPOINT_GLOBALS)

@@ -241,8 +241,6 @@ class MultiheadAttentionBase(nn.Module):
         k, v, k_state, key_padding_mask = self._expand_to_batch(bsz, k, v, k_state, key_padding_mask)
 
         src_len = k.size(2)
-        if key_padding_mask is not None and key_padding_mask.dim() == 0:
-            key_padding_mask = None
         mask = additive_attention_mask(
             key_padding_mask, attn_mask, bsz, self.num_heads, tgt_len, src_len, q.dtype
         )

@@ -12,7 +12,12 @@ import torch
 
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixes)
 from fairseq_modattn.modules import DiagonalGMM, DisentangledMaskAttention, annealing_rate, log_semantic_mask
-from fairseq_modattn.modules.mi_bounds import diversity_penalty, head_dependence_bound, infonce_bound
+from fairseq_modattn.modules.mi_bounds import (
+    diversity_penalty,
+    head_dependence_bound,
+    infonce_bound,
+    sample_negatives,
+)
 
 DOUBLE = torch.float64
 
@@ -415,10 +420,11 @@ def real_tokens(valid, b):
     return [i for i in range(valid.size(1)) if valid[b, i]]
 
 
-def naive_dqq(log_joint, log_post, valid):
+def naive_dqq(log_joint, log_post, valid, negatives=None):
     """CLUB bound as documented in mi_bounds: for heads h != h' and real tokens i, j,
     p(q_j^h|c) = p(q_j^h, c) / sum_{j' real} p(q_j'^h, c),  S_ij = sum_c p(q_j^h|c) Q_ic^h',
-    L = mean_i mean_{h != h'} [ log S_ii - (1/n) sum_{j real} log S_ij ]."""
+    L = mean_i mean_{h != h'} [ log S_ii - (1/n) sum_{j real} log S_ij ];
+    with ``negatives`` (the sampled form) the negative term is log S_{i j_i}, j_i = negatives[b, i]."""
     joint, post = log_joint.exp(), log_post.exp()
     bsz, heads, _, num_c = joint.shape
     total, count = 0.0, 0
@@ -438,7 +444,10 @@ def naive_dqq(log_joint, log_post, valid):
                             s += joint[b, h, j, c].item() / norm * post[b, h2, i, c].item()
                         return math.log(s)
 
-                    pair_sum += log_s(i) - sum(log_s(j) for j in idx) / len(idx)
+                    if negatives is None:
+                        pair_sum += log_s(i) - sum(log_s(j) for j in idx) / len(idx)
+                    else:
+                        pair_sum += log_s(i) - log_s(int(negatives[b, i]))
             total += pair_sum / (heads * (heads - 1))
             count += 1
     return total / count
@@ -499,10 +508,49 @@ def test_losses_match_naive(lengths):
         assert diversity_penalty(post, None).item() == pytest.approx(naive_div(post, valid), rel=1e-10)
 
 
+def test_sampled_head_dependence_bound_matches_naive_and_averages_to_the_exact_bound():
+    lengths, max_len = [4, 2, 4], 5
+    log_joint, log_post, valid = loss_inputs(18, lengths, max_len=max_len)
+    torch.manual_seed(0)
+    negatives = sample_negatives(valid, len(lengths), max_len)
+    got = head_dependence_bound(log_joint, log_post, valid, negatives)
+    assert got.item() == pytest.approx(naive_dqq(log_joint, log_post, valid, negatives), rel=1e-10)
+    # Unbiased: cycling every query's negative through the real tokens of its sentence (each
+    # equally often: 4 rounds cover lengths 4 and 2 uniformly) averages to the exact mean over j.
+    rounds = []
+    for k in range(4):
+        neg = torch.zeros(len(lengths), max_len, dtype=torch.long)
+        for b in range(len(lengths)):
+            idx = real_tokens(valid, b)
+            neg[b, :] = idx[k % len(idx)]
+        rounds.append(head_dependence_bound(log_joint, log_post, valid, neg))
+    exact = head_dependence_bound(log_joint, log_post, valid)
+    assert torch.stack(rounds).mean().item() == pytest.approx(exact.item(), rel=1e-10)
+
+
+def test_sample_negatives_is_uniform_over_real_tokens():
+    valid = ~padding([5, 2, 1], 6)
+    valid[1] = valid[1].flip(0)  # left padding, as fairseq's source side
+    torch.manual_seed(1)
+    counts = torch.zeros(3, 6)
+    draws = 4000
+    for _ in range(draws // 100):
+        neg = sample_negatives(valid.repeat(100, 1), 300, 6).view(100, 3, 6)
+        counts += torch.nn.functional.one_hot(neg, 6).sum((0, 2)).float()
+    assert (counts[~valid] == 0).all()
+    share = counts / counts.sum(1, keepdim=True)
+    for b, n in enumerate([5, 2, 1]):
+        torch.testing.assert_close(share[b][valid[b]], torch.full((n,), 1.0 / n), atol=0.02, rtol=0)
+    assert sample_negatives(None, 2, 3).shape == (2, 3)
+
+
 def test_losses_ignore_padded_values_and_give_them_no_gradient():
     log_joint, log_post, valid = loss_inputs(11, [5, 2, 3])
+    torch.manual_seed(3)
+    negatives = sample_negatives(valid, 3, 5)
     reference = [
         head_dependence_bound(log_joint, log_post, valid),
+        head_dependence_bound(log_joint, log_post, valid, negatives),
         infonce_bound(log_post.exp(), valid),
         diversity_penalty(log_post.exp(), valid),
     ]
@@ -513,6 +561,7 @@ def test_losses_ignore_padded_values_and_give_them_no_gradient():
     garbage_post.requires_grad_()
     values = [
         head_dependence_bound(garbage_joint, garbage_post, valid),
+        head_dependence_bound(garbage_joint, garbage_post, valid, negatives),
         infonce_bound(garbage_post.exp(), valid),
         diversity_penalty(garbage_post.exp(), valid),
     ]
@@ -591,11 +640,33 @@ def test_gradcheck_gmm_wrt_inputs_and_parameters():
     assert torch.autograd.gradcheck(fn, (x,) + params)
 
 
+@pytest.mark.parametrize("need_kl", [True, False])
+def test_gradcheck_gmm_sampled_point(need_kl):
+    """The hand-written backward of the noisy and the mean distances (the same noise each call)."""
+    gmm = random_gmm(3, 4, 2, seed=17)
+    # token-major points seen through a head-split view, as the attention modules pass them
+    x = torch.randn(3, 2, 8, dtype=DOUBLE, requires_grad=True)
+    params = tuple(p.detach().clone().requires_grad_() for p in (gmm.logits, gmm.means, gmm.log_vars))
+
+    def fn(inp, logits, means, log_vars):
+        torch.manual_seed(5)
+        heads = inp.view(3, 2, 2, 4).permute(1, 2, 0, 3)
+        stats = torch.func.functional_call(
+            gmm, {"logits": logits, "means": means, "log_vars": log_vars}, (heads,),
+            {"need_kl": need_kl, "sample": True, "noise_var": 0.3},
+        )
+        return (stats.log_joint, stats.log_post) + ((stats.kl,) if need_kl else ())
+
+    assert torch.autograd.gradcheck(fn, (x,) + params)
+
+
 def test_gradcheck_losses():
     log_joint, log_post, valid = loss_inputs(16, [4, 2], heads=3, max_len=4, num_c=3)
     log_joint.requires_grad_()
     log_post.requires_grad_()
     post = log_post.exp().detach().requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: head_dependence_bound(a, b, valid), (log_joint, log_post))
+    negatives = torch.tensor([[1, 0, 3, 2], [1, 0, 0, 1]])
+    assert torch.autograd.gradcheck(lambda a, b: head_dependence_bound(a, b, valid, negatives), (log_joint, log_post))
     assert torch.autograd.gradcheck(lambda p: infonce_bound(p, valid), (post,))
     assert torch.autograd.gradcheck(lambda p: diversity_penalty(p, valid), (post,))

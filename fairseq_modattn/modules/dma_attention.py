@@ -42,7 +42,13 @@ from torch import Tensor
 from .attention_base import MultiheadAttentionBase
 from .gmm import DiagonalGMM, at_least_fp32
 from .logspace import log_matmul_exp
-from .mi_bounds import diversity_penalty, head_dependence_bound, infonce_bound, masked_token_mean
+from .mi_bounds import (
+    diversity_penalty,
+    head_dependence_bound,
+    infonce_bound,
+    masked_token_mean,
+    sample_negatives,
+)
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
 
@@ -205,6 +211,11 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         queries = self.query_gmm(q, self.noise_var, sample=self.training, need_kl=True)
         query_post = queries.log_post.exp()
         token_post = q_state["log_p"].exp()
+        # training: one sampled negative per query (unbiased, no (B, H, H, T, T) table);
+        # evaluation: the exact mean over all tokens, so validation is deterministic
+        negatives = None
+        if self.training:
+            negatives = sample_negatives(query_valid, q.size(0), q.size(2), q.device)
         kl = masked_token_mean(q_state["kl"], query_valid)
         div = diversity_penalty(token_post, query_valid)
         if not self.self_attention:  # the key side is a second set of tokens for the token GMM
@@ -212,7 +223,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             div = 0.5 * (div + diversity_penalty(k_state["log_p"].exp(), key_valid))
         return {
             "kl": kl + masked_token_mean(queries.kl, query_valid),
-            "dqq": head_dependence_bound(queries.log_joint, queries.log_post, query_valid),
+            "dqq": head_dependence_bound(queries.log_joint, queries.log_post, query_valid, negatives),
             "dxq": infonce_bound(query_post, query_valid),
             "div": div + diversity_penalty(query_post, query_valid),
         }

@@ -30,7 +30,7 @@ group axis third from the end (G may broadcast against 1).
 """
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -57,6 +57,113 @@ class GMMStatistics(NamedTuple):
     log_joint: Tensor
     log_post: Tensor
     kl: Optional[Tensor]
+
+
+def group_major_points(x: Tensor, num_groups: int) -> Tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """View points (..., G, N, d) as (num_groups, M, d), without a copy when strides allow.
+
+    The M points of a group are flattened in the order they lie in memory, so a head-split
+    view of a token-major activation (``x.view(N, B, H, d).permute(1, 2, 0, 3)``) needs no
+    copy. With ``num_groups == 1`` the G axis is flattened into the points. Returns the view
+    and ``restore``, mapping a (num_groups, M, k) result back to (..., G, N, k).
+    """
+    if num_groups == 1:
+        moved = x.unsqueeze(0)
+    else:
+        if x.size(-3) != num_groups:
+            raise ValueError(f"expected {num_groups} groups on axis -3, got shape {tuple(x.shape)}")
+        moved = x.movedim(-3, 0)
+    # Leading point axes (all but the group axis and d), largest stride first.
+    point_axes = sorted(range(1, moved.dim() - 1), key=lambda a: -moved.stride(a))
+    order = [0] + point_axes + [moved.dim() - 1]
+    ordered = moved.permute(order)
+    flat = ordered.reshape(num_groups, -1, x.size(-1))
+    inverse = [order.index(a) for a in range(len(order))]
+
+    def restore(result: Tensor) -> Tensor:
+        out = result.reshape(*ordered.shape[:-1], result.size(-1)).permute(inverse)
+        return out.squeeze(0) if num_groups == 1 else out.movedim(0, -3)
+
+    return flat, restore
+
+
+class _MahalanobisDistances(torch.autograd.Function):
+    """D_c(x + s eps) and D_c(x) for (G, M, d) points; backward saves only x and eps.
+
+    Autograd through the matmul expansion would keep x*x and the noisy point (two more
+    (M, d) tensors per GMM) for backward; here both are rebuilt there, from
+
+        dD_c/dz = 2 (z - mu_c) / sigma_c^2,
+        dD_c/d(1/sigma_c^2) = (z - mu_c)^2 = z^2 - 2 mu_c z + mu_c^2,
+        dD_c/dmu_c = -2 (z - mu_c) / sigma_c^2,
+
+    summed over points with matmuls (no (M, C, d) tensor).
+    """
+
+    @staticmethod
+    def forward(ctx, x, noise, noise_scale, means, inv_var):
+        # returns D(x + s * eps) and, when noise is given, also D(x)
+        scaled_means = means * inv_var  # (G, C, d)
+        const = (means * scaled_means).sum(-1).unsqueeze(-2)  # (G, 1, C)
+        ctx.noise_scale = noise_scale
+        ctx.save_for_backward(x, noise, means, inv_var)
+        if noise is None:
+            return _expanded_distance(x, inv_var, scaled_means, const)
+        point = torch.add(x, noise, alpha=noise_scale)
+        return (
+            _expanded_distance(point, inv_var, scaled_means, const),
+            _expanded_distance(x, inv_var, scaled_means, const),
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, noise, means, inv_var = ctx.saved_tensors
+        grad_point = grads[0]
+        grad_mean = grads[1] if len(grads) > 1 else None
+        terms = [(grad_point, x if noise is None else torch.add(x, noise, alpha=ctx.noise_scale))]
+        if grad_mean is not None:
+            terms.append((grad_mean, x))
+        scaled_means = means * inv_var
+        grad_x = grad_means = grad_inv_var = None
+        if ctx.needs_input_grad[0]:
+            # sum over terms of 2 g (z - mu) / sigma^2; the two points differ only by s * eps,
+            # so this reads x once and eps once.
+            total = grad_point if grad_mean is None else grad_point + grad_mean
+            grad_x = torch.bmm(total, 2.0 * inv_var).mul_(x)
+            grad_x.baddbmm_(total, scaled_means, alpha=-2.0)
+            if noise is not None:
+                grad_x.add_(torch.bmm(grad_point, (2.0 * ctx.noise_scale) * inv_var).mul_(noise))
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            weight_sum = sum(g.sum(1) for g, _ in terms).unsqueeze(-1)  # (G, C, 1)
+            first = sum(torch.bmm(g.transpose(1, 2), z) for g, z in terms)  # sum_i g_ic z_i
+            centred = first - means * weight_sum  # sum_i g_ic (z_i - mu_c)
+            if ctx.needs_input_grad[3]:
+                grad_means = -2.0 * inv_var * centred
+            if ctx.needs_input_grad[4]:
+                second = sum(torch.bmm(g.transpose(1, 2), z * z) for g, z in terms)  # sum_i g_ic z_i^2
+                grad_inv_var = second - 2.0 * means * first + means * means * weight_sum
+        return grad_x, None, None, grad_means, grad_inv_var
+
+
+def _expanded_distance(z: Tensor, inv_var: Tensor, scaled_means: Tensor, const: Tensor) -> Tensor:
+    """sum_d (z_d - mu_cd)^2 / sigma_cd^2 = (z*z) @ (1/sigma^2) - 2 z @ (mu/sigma^2) + const."""
+    dist = torch.bmm(z * z, inv_var.transpose(1, 2))
+    dist.baddbmm_(z, scaled_means.transpose(1, 2), alpha=-2.0).add_(const)
+    # The expansion can go a few ulps below zero where z sits on a centre.
+    return dist.clamp_min_(0.0)
+
+
+def mahalanobis_distances(
+    x: Tensor, noise: Optional[Tensor], noise_scale: float, means: Tensor, inv_var: Tensor
+) -> Tuple[Tensor, Tensor]:
+    """(D(x + noise_scale * noise), D(x)) for points x (G, M, d), each (G, M, C).
+
+    With ``noise`` None (no sampling) both are the same tensor D(x).
+    """
+    if noise is None:
+        dist = _MahalanobisDistances.apply(x, None, noise_scale, means, inv_var)
+        return dist, dist
+    return _MahalanobisDistances.apply(x, noise, noise_scale, means, inv_var)
 
 
 class DiagonalGMM(nn.Module):
@@ -95,14 +202,6 @@ class DiagonalGMM(nn.Module):
             return GradMultiply.apply(self.means, self.centroid_grad_mult)
         return self.means
 
-    def squared_mahalanobis(self, x: Tensor, means: Tensor, inv_var: Tensor) -> Tensor:
-        """D_c(x) for every point and component via the matmul expansion. x: (..., G, N, d)."""
-        quad = torch.matmul(x * x, inv_var.transpose(-1, -2))
-        cross = torch.matmul(x, (means * inv_var).transpose(-1, -2))
-        const = (means * means * inv_var).sum(-1).unsqueeze(-2)  # (G, 1, C)
-        # The expansion can go a few ulps below zero where x sits on a centre.
-        return (quad - 2.0 * cross + const).clamp_min(0.0)
-
     def forward(
         self, x: Tensor, noise_var: float = 0.1, sample: bool = False, need_kl: bool = False
     ) -> GMMStatistics:
@@ -111,10 +210,11 @@ class DiagonalGMM(nn.Module):
         ``noise_var`` is s^2 of q(z | x) = N(x, s^2 I). With ``sample`` (training) the posterior
         is taken at z~ = x + s * eps and the KL at the mean x, as in VaDE; without it both use x.
         """
-        device_type = x.device.type
-        with torch.autocast(device_type=device_type, enabled=False):
+        if need_kl and noise_var <= 0.0:
+            raise ValueError("the VaDE KL needs a positive variance s^2 for q(z | x)")
+        with torch.autocast(device_type=x.device.type, enabled=False):
             dtype = at_least_fp32(x, self.means)
-            x = x.to(dtype)
+            points, restore = group_major_points(x.to(dtype), self.num_groups)
             means = self._effective_means().to(dtype)
             log_vars = self.log_vars.to(dtype)
             inv_var = torch.exp(-log_vars)
@@ -122,25 +222,22 @@ class DiagonalGMM(nn.Module):
             log_det = log_vars.sum(-1).unsqueeze(-2)  # (G, 1, C)
             log_norm = log_pi - 0.5 * (log_det + self.dim * math.log(2.0 * math.pi))
 
+            noise = None
             if sample and noise_var > 0.0:
-                point = x + math.sqrt(noise_var) * torch.randn_like(x)
-            else:
-                point = x
-            dist = self.squared_mahalanobis(point, means, inv_var)
+                noise = torch.randn(points.shape, dtype=dtype, device=points.device)
+            if noise is not None and not need_kl:  # the distance at the mean is not needed
+                points, noise = torch.add(points, noise, alpha=math.sqrt(noise_var)), None
+            dist, mean_dist = mahalanobis_distances(points, noise, math.sqrt(noise_var), means, inv_var)
             log_joint = log_norm - 0.5 * dist
             log_post = torch.log_softmax(log_joint, dim=-1)
 
             kl = None
             if need_kl:
-                if noise_var <= 0.0:
-                    raise ValueError("the VaDE KL needs a positive variance s^2 for q(z | x)")
-                mean_dist = dist if point is x else self.squared_mahalanobis(x, means, inv_var)
                 trace = inv_var.sum(-1).unsqueeze(-2)  # (G, 1, C)
-                post = log_post.exp()
                 expected_nll = 0.5 * (log_det + noise_var * trace + mean_dist)
-                kl = (post * (expected_nll - log_pi + log_post)).sum(-1)
-                kl = kl - 0.5 * self.dim * (1.0 + math.log(noise_var))
-        return GMMStatistics(log_joint, log_post, kl)
+                kl = (log_post.exp() * (expected_nll - log_pi + log_post)).sum(-1)
+                kl = restore(kl.unsqueeze(-1)).squeeze(-1) - 0.5 * self.dim * (1.0 + math.log(noise_var))
+        return GMMStatistics(restore(log_joint), restore(log_post), kl)
 
     def extra_repr(self) -> str:
         return (

@@ -28,7 +28,8 @@ head h'. Two deliberate departures from DESIGN.md's transcription of the paper:
       drove it from -5 to -5e5 in 150 updates, the KL exploded with it and cross-entropy
       stopped improving. With it, L_Dqq is 0 when head h' tells nothing about which token
       head h saw, which is what minimising the bound asks for.
-S has shape (B, H, H, n, n) (like H attention maps per head), never (.., n, n, C).
+The exact mean over j needs S of shape (B, H, H, n, n) (H attention maps per head); training
+replaces it by one sampled j per query (``negatives``), so that no n x n table is built.
 
 L_Dxq (InfoNCE lower bound of I(x; q), Eq. 10), per head and sentence of n tokens,
 
@@ -71,24 +72,57 @@ def _neg_inf_padding(log_values: Tensor, valid: Optional[Tensor], token_dim: int
     return log_values.masked_fill(~valid.view(shape), float("-inf"))
 
 
-def head_dependence_bound(log_joint: Tensor, log_post: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """L_Dqq: CLUB estimate of I(q^h; q^h') averaged over head pairs h != h' (see module doc)."""
+def sample_negatives(valid: Optional[Tensor], batch: int, length: int, device=None) -> Tensor:
+    """One token index j per (sentence, position), uniform over the sentence's real tokens.
+
+    Returns a (B, N) LongTensor. Uses torch's global generator (fairseq seeds it per update, so
+    a resumed run draws the same indices). Positions of an all-padding sentence get index 0.
+    """
+    if valid is None:
+        return torch.randint(length, (batch, length), device=device)
+    counts = valid.sum(1, keepdim=True)  # (B, 1)
+    ranks = (torch.rand(batch, length, device=valid.device) * counts).long().clamp_max_(length - 1)
+    # the r-th real token: the first position whose running count of real tokens exceeds r
+    running = valid.long().cumsum(1)
+    return torch.searchsorted(running, ranks + 1).clamp_max_(length - 1)
+
+
+def _log_pair_likelihood(log_token_given_c: Tensor, log_post: Tensor) -> Tensor:
+    """log sum_c p(q_j^h | c) Q_ic^h' for aligned (B, H, N, C) inputs -> (B, H, H', N)."""
+    return torch.logsumexp(log_token_given_c.unsqueeze(2) + log_post.unsqueeze(1), dim=-1)
+
+
+def head_dependence_bound(
+    log_joint: Tensor, log_post: Tensor, valid: Optional[Tensor], negatives: Optional[Tensor] = None
+) -> Tensor:
+    """L_Dqq: CLUB estimate of I(q^h; q^h') averaged over head pairs h != h' (see module doc).
+
+    ``negatives`` (B, N), optional: the token j used for the negative term of query i (from
+    ``sample_negatives``), which replaces the mean over all j by one uniform sample, the
+    sampled CLUB of Cheng et al. (2020, section 3.2): the same value in expectation, with an
+    unbiased gradient, in O(H^2 N C) memory instead of the (B, H, H, N, N) table of all pairs.
+    Training uses it; without it (evaluation, tests) the mean over j is exact.
+    """
     num_heads = log_joint.size(1)
     if num_heads < 2:
         return log_joint.new_zeros(())
     # log p(q_j^h | c): normalise the joint over the sentence's real tokens j.
     masked_joint = _neg_inf_padding(log_joint, valid, token_dim=2)
     log_token_given_c = log_joint - torch.logsumexp(masked_joint, dim=2, keepdim=True)
-    # log S[b, h, h', i, j] = log sum_c p(q_j^h | c) Q_ic^h'  -> (B, H, H', N, N)
-    log_s = log_matmul_exp(log_post.unsqueeze(1), log_token_given_c.unsqueeze(2))
-    positive = log_s.diagonal(dim1=-2, dim2=-1)  # (B, H, H', N)
-    if valid is None:
-        negative = log_s.mean(-1)
+    positive = _log_pair_likelihood(log_token_given_c, log_post)  # log S_ii, (B, H, H', N)
+    if negatives is not None:
+        index = negatives.view(negatives.size(0), 1, -1, 1).expand(-1, num_heads, -1, log_joint.size(-1))
+        negative = _log_pair_likelihood(log_token_given_c.gather(2, index), log_post)  # log S_{i j_i}
     else:
-        keep = valid.view(valid.size(0), 1, 1, 1, valid.size(1))
-        negative = torch.where(keep, log_s, log_s.new_zeros(())).sum(-1)
-        negative = negative / valid.sum(1).clamp_min(1).to(log_s.dtype).view(-1, 1, 1, 1)
-    off_diagonal = ~torch.eye(num_heads, dtype=torch.bool, device=log_s.device)
+        # log S[b, h, h', i, j] = log sum_c p(q_j^h | c) Q_ic^h'  -> (B, H, H', N, N)
+        log_s = log_matmul_exp(log_post.unsqueeze(1), log_token_given_c.unsqueeze(2))
+        if valid is None:
+            negative = log_s.mean(-1)
+        else:
+            keep = valid.view(valid.size(0), 1, 1, 1, valid.size(1))
+            negative = torch.where(keep, log_s, log_s.new_zeros(())).sum(-1)
+            negative = negative / valid.sum(1).clamp_min(1).to(log_s.dtype).view(-1, 1, 1, 1)
+    off_diagonal = ~torch.eye(num_heads, dtype=torch.bool, device=log_joint.device)
     per_token = ((positive - negative) * off_diagonal.view(1, num_heads, num_heads, 1)).sum((1, 2))
     per_token = per_token / (num_heads * (num_heads - 1))
     return masked_token_mean(per_token.unsqueeze(1), valid)

@@ -574,6 +574,15 @@ def test_losses_ignore_padded_values_and_give_them_no_gradient():
         assert grad[~pad].abs().max() > 0
 
 
+def test_infonce_with_an_all_padding_sentence_has_finite_gradients():
+    _, log_post, valid = loss_inputs(19, [4, 0, 2])
+    post = log_post.exp().requires_grad_()
+    value = infonce_bound(post, valid)
+    assert value.item() == pytest.approx(naive_dxq(post.detach(), valid), rel=1e-10)
+    value.backward()
+    assert torch.isfinite(post.grad).all() and (post.grad[1] == 0).all()
+
+
 def test_head_dependence_bound_is_zero_for_uninformative_heads():
     """Documented property of the CLUB form: if Q^h' is the same for every token (head h' tells
     nothing about which token head h saw), L_Dqq = 0; informative heads give a non-zero value."""

@@ -39,7 +39,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.utils import safe_getattr
 
-from ..modules.dma_attention import AUX_LOSS_NAMES, DisentangledMaskAttention
+from ..modules.dma_attention import ATTENTION_IMPLS, AUX_LOSS_NAMES, DisentangledMaskAttention
 
 DMA_ATTENTION_TYPES = ("enc_self", "dec_self", "enc_dec")
 
@@ -90,6 +90,7 @@ def build_dma_attention(cfg, embed_dim, num_heads, **kwargs) -> DisentangledMask
         anneal_rate=cfg.dma_anneal_rate,
         noise_var=cfg.dma_noise_var,
         centroid_grad_mult=cfg.dma_centroid_grad_mult,
+        attention_impl=safe_getattr(cfg, "dma_attention_impl", "auto"),
         **kwargs,
     )
 
@@ -179,6 +180,12 @@ class DMATransformerModel(TransformerModel):
         group.add_argument("--dma-decoder-mask-at-inference", action="store_true",
                            help="keep the semantic mask in decoder self-attention at inference "
                                 "(the paper drops it there)")
+        group.add_argument("--dma-attention-impl", choices=ATTENTION_IMPLS, metavar="IMPL",
+                           help="how the interpolated attention is computed: 'fused' (one pass "
+                                "sharing the logits of both softmaxes; the fast form on CPU), "
+                                "'sdpa' (two scaled_dot_product_attention calls, the second with "
+                                "the bias log M; the fast form on CUDA), 'auto' (sdpa on CUDA, "
+                                "fused elsewhere; default). All are exact; see README")
 
     @classmethod
     def build_model(cls, args, task):
@@ -286,6 +293,7 @@ def dma_base_architecture(args):
     args.dma_kl_weight = safe_getattr(args, "dma_kl_weight", 0.01)
     args.dma_div_weight = safe_getattr(args, "dma_div_weight", 1.0)
     args.dma_decoder_mask_at_inference = safe_getattr(args, "dma_decoder_mask_at_inference", False)
+    args.dma_attention_impl = safe_getattr(args, "dma_attention_impl", "auto")
     base_architecture(args)
 
 

@@ -5,8 +5,11 @@ Every attention module owns
 
     * a token GMM per head over the module's *inputs* split into heads, z_i^h (query side: the
       query input; key side: the key input; self-attention shares them), with posteriors
-      P_ic^h = p(c | z_i^h) (``gmm.DiagonalGMM``);
-    * a query GMM shared by the heads over the projected queries q_i^h, posteriors Q_ic^h.
+      P_ic^h = p(c | z~_i^h) (``gmm.DiagonalGMM``); in training z~ = z + s * eps is sampled
+      from N(z, s^2 I) (paper, 4.3), at inference z~ = z;
+    * a query GMM shared by the heads over the projected queries q_i^h, with posteriors
+      Q_ic^h = p(c | q_i^h) at the queries themselves (the MI bounds below are statements about
+      the model's queries, so they are not perturbed; only the KL uses q(z | q) = N(q, s^2 I)).
 
 The semantic mask of head h is M_ij = sum_c P^q_ic P^k_jc and the masked attention
 
@@ -14,14 +17,18 @@ The semantic mask of head h is M_ij = sum_c P^q_ic P^k_jc and the masked attenti
     A^ = (1 - gamma) A + gamma A~,   gamma(t) = 1 - max(1 - alpha, exp(-r t)),
 
 with t the number of updates (``set_num_updates``; r = 5e-4 in the paper), so gamma rises
-from 0 to alpha. The output A^ V is computed as two fused attention calls,
+from 0 to alpha. A^ V is computed without a B x H x T x S x C tensor in one of two exact ways
+(``attention_impl``):
 
-    A^ V = (1 - gamma) SDPA(q, k, v, masks) + gamma SDPA(q, k, v, masks + log M),
+    * "fused": ``interpolated_attention.interpolated_masked_attention``, one logit product
+      shared by both softmaxes and one value product (the fast form on CPU);
+    * "sdpa": (1 - gamma) SDPA(q, k, v, masks) + gamma SDPA(q, k, v, masks + log M), with
+      log M from a max-shifted matmul in fp32 (the fast form on CUDA, whose memory-efficient
+      kernel differentiates the bias); attention dropout then acts on A and A~ separately,
+      which has the expectation of dropping A^.
 
-with log M = log(exp(log P^q) exp(log P^k)^T) evaluated in fp32 by a max-shifted matmul
-(no B x H x T x S x C tensor), and the weights themselves are materialised only when a caller
-asks for them. Attention dropout acts on each of the two weight matrices independently, which
-has the same expectation as dropping A^.
+"auto" (default) takes sdpa on CUDA and fused elsewhere. The weights themselves are
+materialised only when a caller asks for them.
 
 At inference the decoder self-attention drops the mask (paper, 4.3: gamma = 0 there) unless
 ``mask_at_inference`` is set; encoder self- and encoder-decoder attention keep it. The key-side
@@ -41,6 +48,7 @@ from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
 from .gmm import DiagonalGMM, at_least_fp32
+from .interpolated_attention import interpolated_masked_attention
 from .logspace import log_matmul_exp
 from .mi_bounds import (
     diversity_penalty,
@@ -51,6 +59,9 @@ from .mi_bounds import (
 )
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
+#: "fused": ``interpolated_masked_attention``; "sdpa": two scaled_dot_product_attention calls;
+#: "auto": sdpa on CUDA (its kernels differentiate the log M bias), fused elsewhere
+ATTENTION_IMPLS = ("auto", "fused", "sdpa")
 
 
 def annealing_rate(num_updates: int, alpha: float, rate: float) -> float:
@@ -98,6 +109,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         noise_var: float = 0.1,
         centroid_grad_mult: float = 1.0,
         mask_at_inference: bool = True,
+        attention_impl: str = "auto",
     ):
         super().__init__(
             embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention
@@ -110,6 +122,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             raise ValueError(f"--dma-anneal-rate must be >= 0, got {anneal_rate}")
         if noise_var <= 0.0:
             raise ValueError(f"--dma-noise-var must be > 0, got {noise_var}")
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"--dma-attention-impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         if self.kdim != embed_dim:
             # P^q and P^k come from the same token GMM, so both inputs need the same width.
             raise ValueError(
@@ -121,6 +135,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         self.anneal_rate = anneal_rate
         self.noise_var = noise_var
         self.mask_at_inference = mask_at_inference
+        self.attention_impl = attention_impl
         self.token_gmm = DiagonalGMM(num_clusters, embed_dim // num_heads, num_heads, centroid_grad_mult)
         self.query_gmm = DiagonalGMM(num_clusters, self.head_dim, 1, centroid_grad_mult)
 
@@ -166,11 +181,10 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         gamma = self.gamma
         if self.collect_aux:
             self.aux_losses = self.regularisers(q, q_state, k_state, key_padding_mask)
-        log_m = None
-        if gamma > 0.0:
-            log_m = log_semantic_mask(q_state["log_p"], k_state["log_p"], drop_row_constant=True)
-
         if need_weights:
+            log_m = None
+            if gamma > 0.0:
+                log_m = log_semantic_mask(q_state["log_p"], k_state["log_p"], drop_row_constant=True)
             scale = self.head_dim ** -0.5
             dtype = at_least_fp32(q)
             logits = torch.matmul(q.to(dtype) * scale, k.to(dtype).transpose(-1, -2))
@@ -183,9 +197,12 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             return out, weights
 
         p = self.dropout if self.training else 0.0
-        if log_m is None:
+        if gamma == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p), None
-        bias = log_m.to(q.dtype)
+        if self.uses_fused_kernel(q):
+            out = interpolated_masked_attention(q, k, v, q_state["log_p"], k_state["log_p"], mask, gamma, p)
+            return out, None
+        bias = log_semantic_mask(q_state["log_p"], k_state["log_p"], drop_row_constant=True).to(q.dtype)
         if mask is not None:
             bias = bias + mask
         masked = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
@@ -193,6 +210,12 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             return masked, None
         plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return torch.lerp(plain, masked, gamma), None
+
+    def uses_fused_kernel(self, q: Tensor) -> bool:
+        """Whether ``attend`` takes ``interpolated_masked_attention`` or two SDPA calls."""
+        if self.attention_impl == "auto":
+            return q.device.type != "cuda"
+        return self.attention_impl == "fused"
 
     def regularisers(
         self,
@@ -208,7 +231,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         else:
             query_valid = None if self.query_padding_mask is None else ~self.query_padding_mask.bool()
 
-        queries = self.query_gmm(q, self.noise_var, sample=self.training, need_kl=True)
+        queries = self.query_gmm(q, self.noise_var, sample=False, need_kl=True)
         query_post = queries.log_post.exp()
         token_post = q_state["log_p"].exp()
         # training: one sampled negative per query (unbiased, no (B, H, H, T, T) table);

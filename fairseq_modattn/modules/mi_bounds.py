@@ -88,8 +88,12 @@ def sample_negatives(valid: Optional[Tensor], batch: int, length: int, device=No
 
 
 def _log_pair_likelihood(log_token_given_c: Tensor, log_post: Tensor) -> Tensor:
-    """log sum_c p(q_j^h | c) Q_ic^h' for aligned (B, H, N, C) inputs -> (B, H, H', N)."""
-    return torch.logsumexp(log_token_given_c.unsqueeze(2) + log_post.unsqueeze(1), dim=-1)
+    """log sum_c p(q_j^h | c) Q_ic^h' for aligned (B, H, N, C) inputs -> (B, H, H', N).
+
+    An (H x C) @ (C x H') product per token in log space (no (B, H, H', N, C) tensor).
+    """
+    per_token = log_matmul_exp(log_token_given_c.transpose(1, 2), log_post.transpose(1, 2))  # (B, N, H, H')
+    return per_token.permute(0, 2, 3, 1)
 
 
 def head_dependence_bound(
@@ -128,16 +132,46 @@ def head_dependence_bound(
     return masked_token_mean(per_token.unsqueeze(1), valid)
 
 
+class _InfoNCEScores(torch.autograd.Function):
+    """f_ii - log sum_j exp f_ij with f = Q Q^T over the real keys j, shape (B, H, N).
+
+    Keeps only Q and the log-partition for backward (autograd would keep the (B, H, N, N)
+    critic); the critic and its softmax are rebuilt there:
+        d/dQ_i = 2 g_i Q_i - sum_j (g_i w_ij + g_j w_ji) Q_j,   w = softmax_j(f).
+    """
+
+    @staticmethod
+    def forward(ctx, post, key_valid):
+        log_partition = torch.logsumexp(_masked_critic(post, key_valid), dim=-1)
+        ctx.save_for_backward(post, key_valid, log_partition)
+        return post.pow(2).sum(-1) - log_partition
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, key_valid, log_partition = ctx.saved_tensors
+        # a sentence without real keys has log_partition = -inf and no gradient
+        shift = log_partition.masked_fill(torch.isinf(log_partition), 0.0).unsqueeze(-1)
+        weighted = _masked_critic(post, key_valid).sub_(shift).exp_().mul_(grad.unsqueeze(-1))
+        grad_post = torch.matmul(weighted, post)
+        grad_post.add_(torch.matmul(weighted.transpose(-1, -2), post))
+        grad_post = (2.0 * grad.unsqueeze(-1)) * post - grad_post
+        return grad_post, None
+
+
+def _masked_critic(post: Tensor, key_valid: Optional[Tensor]) -> Tensor:
+    critic = torch.matmul(post, post.transpose(-1, -2))  # (B, H, N, N)
+    if key_valid is not None:
+        critic.masked_fill_(~key_valid.view(key_valid.size(0), 1, 1, -1), float("-inf"))
+    return critic
+
+
 def infonce_bound(post: Tensor, valid: Optional[Tensor]) -> Tensor:
     """L_Dxq: InfoNCE with critic f_ij = <Q_i, Q_j>, over the real tokens of each sentence."""
-    critic = torch.matmul(post, post.transpose(-1, -2))  # (B, H, N, N)
-    positive = critic.diagonal(dim1=-2, dim2=-1)  # (B, H, N)
-    log_partition = torch.logsumexp(_neg_inf_padding(critic, valid, token_dim=3), dim=-1)
     if valid is None:
         log_n = math.log(post.size(2))
     else:
         log_n = valid.sum(1).clamp_min(1).to(post.dtype).log().view(-1, 1, 1)
-    return masked_token_mean(positive - log_partition + log_n, valid)
+    return masked_token_mean(_InfoNCEScores.apply(post, valid) + log_n, valid)
 
 
 def diversity_penalty(post: Tensor, valid: Optional[Tensor]) -> Tensor:

@@ -1,0 +1,141 @@
+"""The one-pass interpolated masked attention (modules/interpolated_attention.py): values and
+gradients against the equations written out naively, gradcheck, dropout on A^, extreme
+posteriors, and the module's two implementations (fused and two SDPA calls) agreeing."""
+
+import math
+
+import pytest
+import torch
+
+import fairseq_modattn  # noqa: F401
+from fairseq_modattn.modules import DisentangledMaskAttention
+from fairseq_modattn.modules.interpolated_attention import interpolated_masked_attention
+
+DOUBLE = torch.float64
+
+
+def naive(q, k, v, log_pq, log_pk, mask, gamma, keep=None, dropout_p=0.0):
+    """A = softmax(q k^T / sqrt(d) + mask), A~ = normalise(M * A), M = P^q P^k^T (a loop over
+    clusters), out = dropout((1 - gamma) A + gamma A~) V; all differentiable."""
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    if mask is not None:
+        logits = logits + mask
+    a = torch.softmax(logits, -1)
+    pq, pk = log_pq.exp(), log_pk.exp()
+    m = sum(pq[..., :, c, None] * pk[..., None, :, c] for c in range(pq.size(-1)))
+    masked = m * a
+    masked = masked / masked.sum(-1, keepdim=True)
+    final = (1.0 - gamma) * a + gamma * masked
+    if keep is not None:
+        final = final * keep / (1.0 - dropout_p)
+    return final @ v
+
+
+def inputs(seed, bsz=2, heads=3, tgt=4, src=5, d=4, num_c=3, dtype=DOUBLE, causal=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(bsz, heads, tgt, d, generator=gen, dtype=dtype)
+    k = torch.randn(bsz, heads, src, d, generator=gen, dtype=dtype)
+    v = torch.randn(bsz, heads, src, d, generator=gen, dtype=dtype)
+    log_pq = torch.log_softmax(2 * torch.randn(bsz, heads, tgt, num_c, generator=gen, dtype=dtype), -1)
+    log_pk = torch.log_softmax(2 * torch.randn(bsz, heads, src, num_c, generator=gen, dtype=dtype), -1)
+    # key padding on the last sentence (last two keys), plus a causal mask when asked
+    mask = torch.zeros(bsz, 1, 1, src, dtype=dtype)
+    mask[-1, ..., -2:] = float("-inf")
+    if causal:
+        mask = mask + torch.triu(torch.full((tgt, src), float("-inf"), dtype=dtype), src - tgt + 1)
+    return [t.requires_grad_() for t in (q, k, v, log_pq, log_pk)], mask
+
+
+@pytest.mark.parametrize("gamma", [0.3, 1.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_and_gradients_match_naive(gamma, causal):
+    tensors, mask = inputs(0, causal=causal)
+    out = interpolated_masked_attention(*tensors, mask, gamma)
+    ref = naive(*tensors, mask, gamma)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    weight = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weight).sum(), tensors)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), tensors)
+    for name, got, want in zip(("q", "k", "v", "log_pq", "log_pk"), grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+        assert want.abs().max() > 0, name  # every input really receives a gradient
+
+
+def test_gradcheck():
+    tensors, mask = inputs(1, bsz=1, heads=2, tgt=3, src=4, d=3, num_c=2, causal=True)
+    assert torch.autograd.gradcheck(lambda *t: interpolated_masked_attention(*t, mask, 0.4), tensors)
+
+
+def test_dropout_drops_the_final_weights():
+    tensors, mask = inputs(2)
+    p = 0.3
+    torch.manual_seed(7)
+    out = interpolated_masked_attention(*tensors, mask, 0.5, dropout_p=p)
+    torch.manual_seed(7)
+    keep = torch.rand(2, 3, 4, 5) >= p  # the same draw, one per entry of A^
+    assert 0 < keep.sum() < keep.numel()
+    ref = naive(*tensors, mask, 0.5, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    weight = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weight).sum(), tensors)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), tensors)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_disagreeing_one_hot_posteriors_stay_finite():
+    """M underflows for every key of a query (posteriors one-hot on different clusters)."""
+    (q, k, v, _, _), mask = inputs(3, dtype=torch.float32)
+    log_pq = torch.full((2, 3, 4, 3), -1e4)
+    log_pq[..., 0] = 0.0
+    log_pk = torch.full((2, 3, 5, 3), -1e4)
+    log_pk[..., 1] = 0.0
+    log_pq, log_pk = log_pq.requires_grad_(), log_pk.requires_grad_()
+    out = interpolated_masked_attention(q, k, v, log_pq, log_pk, mask.float(), 0.5)
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    for t in (q, k, v, log_pq, log_pk):
+        assert torch.isfinite(t.grad).all()
+    # a uniform log M shift leaves A~ = A, so the output is plain attention
+    plain = torch.softmax(q @ k.transpose(-1, -2) / 2.0 + mask.float(), -1) @ v
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_mask_requiring_grad_is_refused():
+    tensors, mask = inputs(4)
+    with pytest.raises(ValueError, match="mask"):
+        interpolated_masked_attention(*tensors, mask.requires_grad_(), 0.5)
+
+
+@pytest.mark.parametrize("kind", ["self", "enc_dec"])
+def test_module_fused_and_sdpa_implementations_agree_in_training(kind):
+    """Same module, same sampled noise: outputs, aux losses and every gradient agree."""
+    kwargs = {"self_attention": True} if kind == "self" else {"encoder_decoder_attention": True}
+    results = []
+    for impl in ("fused", "sdpa"):
+        torch.manual_seed(0)
+        m = DisentangledMaskAttention(16, 2, num_clusters=3, attention_impl=impl, **kwargs).train()
+        m.set_num_updates(3000)
+        m.collect_aux = True
+        x = torch.randn(5, 3, 16, requires_grad=True)
+        key = x if kind == "self" else torch.randn(6, 3, 16, requires_grad=True)
+        kpm = torch.zeros(3, key.size(0), dtype=torch.bool)
+        kpm[1, -2:] = True
+        mask = torch.triu(torch.full((5, 5), float("-inf")), 1) if kind == "self" else None
+        torch.manual_seed(1)
+        out, _ = m(x, key, key, key_padding_mask=kpm, attn_mask=mask, need_weights=False)
+        loss = (out * torch.randn_like(out)).sum() + sum(m.aux_losses.values())
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in m.named_parameters()}
+        grads["input"] = x.grad.clone()
+        results.append((out.detach(), grads))
+    (out_f, grads_f), (out_s, grads_s) = results
+    torch.testing.assert_close(out_f, out_s, rtol=1e-5, atol=1e-6)
+    for name in grads_s:
+        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert grads_f["token_gmm.means"].abs().max() > 0
+
+
+def test_module_refuses_unknown_implementation():
+    with pytest.raises(ValueError, match="--dma-attention-impl"):
+        DisentangledMaskAttention(16, 2, self_attention=True, attention_impl="flash")

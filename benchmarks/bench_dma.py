@@ -362,8 +362,9 @@ def scaling_note(rows):
             line += "; DMA extra ms/token not positive at both lengths"
         lines.append(line)
     lines.append("  Per token, plain attention scores (T x S per sentence) cost L^1 and projections/FFN/"
-                 "output layer L^0: an extra DMA cost near L^1 scales like attention (log M, the second "
-                 "SDPA, the N x N InfoNCE critic), near L^0 like a per-token cost (GMM posteriors, KL). "
+                 "output layer L^0: an extra DMA cost near L^1 scales like attention (log M and the "
+                 "second softmax, the N x N InfoNCE critic), near L^0 like a per-token cost (GMM "
+                 "posteriors, KL, L_Dqq with sampled negatives). "
                  "The ratio DMA/transformer stays flat if DMA's extra cost scales like the "
                  "transformer's own mix, and grows with length if it is more attention-heavy.")
     return lines, fits
@@ -555,7 +556,7 @@ def get_parser():
     p.add_argument("--gen-sentences", type=int, default=64)
     p.add_argument("--gen-batch-size", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=40, help="max_len_b = min_len of the generator")
-    p.add_argument("--gen-repeats", type=int, default=1, help="timed passes over all sentences")
+    p.add_argument("--gen-repeats", type=int, default=3, help="timed passes over all sentences (median)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--profile", type=int, default=None, metavar="L",
                    help="also print the top 15 ops (self time) of one DMA training step at length L")

@@ -12,6 +12,7 @@ import torch
 
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixes)
 from fairseq_modattn.modules import DiagonalGMM, DisentangledMaskAttention, annealing_rate, log_semantic_mask
+from fairseq_modattn.modules.logspace import log_matmul_exp
 from fairseq_modattn.modules.mi_bounds import (
     diversity_penalty,
     head_dependence_bound,
@@ -232,12 +233,17 @@ def test_semantic_mask_matches_naive():
     assert log_m.shape == (2, 3, 4, 6)
     torch.testing.assert_close(log_m.exp().double(), naive_mask(log_pq, log_pk), rtol=1e-5, atol=1e-7)
 
-    # drop_row_constant only shifts each query row: softmax over keys is unchanged.
-    shifted = log_semantic_mask(log_pq, log_pk, drop_row_constant=True)
-    diff = log_m - shifted
-    torch.testing.assert_close(diff, diff[..., :1].expand_as(diff))
-    logits = torch.randn(2, 3, 4, 6)
-    torch.testing.assert_close(torch.softmax(logits + shifted, -1), torch.softmax(logits + log_m, -1))
+
+def test_log_matmul_exp_matches_logsumexp_for_unnormalised_inputs():
+    """The shifted log-space product (used by L_Dqq) for inputs far outside [0, 1] in exp space."""
+    torch.manual_seed(20)
+    log_a = 30.0 * torch.randn(2, 4, 5, dtype=DOUBLE) - 200.0
+    log_b = 30.0 * torch.randn(2, 3, 5, dtype=DOUBLE) + 150.0
+    reference = torch.logsumexp(log_a.unsqueeze(-2) + log_b.unsqueeze(-3), -1)
+    torch.testing.assert_close(log_matmul_exp(log_a, log_b), reference, rtol=1e-12, atol=1e-9)
+    got = log_matmul_exp(log_a.float(), log_b.float())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-3)
 
 
 def test_semantic_mask_peaked_posteriors_stay_finite():
@@ -608,7 +614,9 @@ def test_gradcheck_log_semantic_mask():
     log_pk = torch.log_softmax(torch.randn(1, 2, 5, 4, dtype=DOUBLE), -1).requires_grad_()
     assert log_semantic_mask(log_pq, log_pk).dtype == DOUBLE
     assert torch.autograd.gradcheck(lambda a, b: log_semantic_mask(a, b), (log_pq, log_pk))
-    assert torch.autograd.gradcheck(lambda a, b: log_semantic_mask(a, b, drop_row_constant=True), (log_pq, log_pk))
+    log_a = (5.0 * torch.randn(1, 3, 4, dtype=DOUBLE)).requires_grad_()
+    log_b = (5.0 * torch.randn(1, 2, 4, dtype=DOUBLE) - 20.0).requires_grad_()
+    assert torch.autograd.gradcheck(log_matmul_exp, (log_a, log_b))
 
 
 def test_gradcheck_dma_self_attention_explicit_path():

@@ -1,7 +1,8 @@
 """Plain nn.Modules (no fairseq registration): the math of each method."""
 
 from .attention_base import MultiheadAttentionBase, capture_attention
-from .dma_attention import DisentangledMaskAttention, annealing_rate, log_semantic_mask
+from .dma_attention import DisentangledMaskAttention, annealing_rate
+from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .gmm import DiagonalGMM, GMMStatistics
 
 __all__ = [
@@ -11,5 +12,6 @@ __all__ = [
     "MultiheadAttentionBase",
     "annealing_rate",
     "capture_attention",
+    "interpolated_masked_attention",
     "log_semantic_mask",
 ]

@@ -23,12 +23,12 @@ from 0 to alpha. A^ V is computed without a B x H x T x S x C tensor in one of t
     * "fused": ``interpolated_attention.interpolated_masked_attention``, one logit product
       shared by both softmaxes and one value product (the fast form on CPU);
     * "sdpa": (1 - gamma) SDPA(q, k, v, masks) + gamma SDPA(q, k, v, masks + log M), with
-      log M from a max-shifted matmul in fp32 (the fast form on CUDA, whose memory-efficient
+      log M from a matmul of the posteriors in fp32 (the fast form on CUDA, whose memory-efficient
       kernel differentiates the bias); attention dropout then acts on A and A~ separately,
       which has the expectation of dropping A^.
 
-"auto" (default) takes sdpa on CUDA and fused elsewhere. The weights themselves are
-materialised only when a caller asks for them.
+"auto" (default) takes fused on CPU when autograd is on, sdpa otherwise. The weights themselves
+are materialised only when a caller asks for them.
 
 At inference the decoder self-attention drops the mask (paper, 4.3: gamma = 0 there) unless
 ``mask_at_inference`` is set; encoder self- and encoder-decoder attention keep it. The key-side
@@ -48,8 +48,7 @@ from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
 from .gmm import DiagonalGMM, at_least_fp32
-from .interpolated_attention import interpolated_masked_attention
-from .logspace import log_matmul_exp
+from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .mi_bounds import (
     diversity_penalty,
     head_dependence_bound,
@@ -60,22 +59,13 @@ from .mi_bounds import (
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
 #: "fused": ``interpolated_masked_attention``; "sdpa": two scaled_dot_product_attention calls;
-#: "auto": sdpa on CUDA (its kernels differentiate the log M bias), fused elsewhere
+#: "auto": sdpa on CUDA (its kernels differentiate the log M bias) and without autograd, else fused
 ATTENTION_IMPLS = ("auto", "fused", "sdpa")
 
 
 def annealing_rate(num_updates: int, alpha: float, rate: float) -> float:
     """gamma(t) = 1 - max(1 - alpha, exp(-rate * t)): 0 at t = 0, tends to alpha."""
     return 1.0 - max(1.0 - alpha, math.exp(-rate * num_updates))
-
-
-def log_semantic_mask(log_pq: Tensor, log_pk: Tensor, drop_row_constant: bool = False) -> Tensor:
-    """log M_ij = log sum_c P^q_ic P^k_jc for (B, H, T, C) and (B, H, S, C) log posteriors.
-
-    fp32, no (B, H, T, S, C) tensor; see ``logspace.log_matmul_exp`` for the underflow clamp.
-    ``drop_row_constant`` omits a per-query constant, which a softmax over keys ignores.
-    """
-    return log_matmul_exp(log_pq, log_pk, drop_row_constant)
 
 
 class DisentangledMaskAttention(MultiheadAttentionBase):
@@ -184,7 +174,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         if need_weights:
             log_m = None
             if gamma > 0.0:
-                log_m = log_semantic_mask(q_state["log_p"], k_state["log_p"], drop_row_constant=True)
+                log_m = log_semantic_mask(q_state["log_p"], k_state["log_p"])
             scale = self.head_dim ** -0.5
             dtype = at_least_fp32(q)
             logits = torch.matmul(q.to(dtype) * scale, k.to(dtype).transpose(-1, -2))
@@ -202,7 +192,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         if self.uses_fused_kernel(q):
             out = interpolated_masked_attention(q, k, v, q_state["log_p"], k_state["log_p"], mask, gamma, p)
             return out, None
-        bias = log_semantic_mask(q_state["log_p"], k_state["log_p"], drop_row_constant=True).to(q.dtype)
+        bias = log_semantic_mask(q_state["log_p"], k_state["log_p"]).to(q.dtype)
         if mask is not None:
             bias = bias + mask
         masked = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
@@ -212,9 +202,14 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         return torch.lerp(plain, masked, gamma), None
 
     def uses_fused_kernel(self, q: Tensor) -> bool:
-        """Whether ``attend`` takes ``interpolated_masked_attention`` or two SDPA calls."""
+        """Whether ``attend`` takes ``interpolated_masked_attention`` or two SDPA calls.
+
+        "auto" takes the fused form only where it pays: on CPU when autograd will need the
+        gradient of log M (torch's CPU SDPA kernels differentiate no bias). Without autograd
+        (inference, validation) the two SDPA calls run torch's fused CPU kernels.
+        """
         if self.attention_impl == "auto":
-            return q.device.type != "cuda"
+            return q.device.type != "cuda" and torch.is_grad_enabled()
         return self.attention_impl == "fused"
 
     def regularisers(

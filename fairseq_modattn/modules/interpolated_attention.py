@@ -11,8 +11,8 @@ gradient of the bias. On CPU, torch has no fused kernel that differentiates a bi
 biased call falls back to the unfused math path and the pair costs three logit products,
 two softmaxes and two value products, and keeps every intermediate for backward. This
 function shares one logit product between both softmaxes, mixes the weights before the
-single value product, and keeps for backward only the two weight tables (not the logits,
-the biased logits or log M), from which
+single value product, and keeps no T x S table for backward (like a flash kernel, it
+recomputes the logits there, one more product, and from them A, A~ and M), from which
 
     dS      = (1 - gamma) A  * (G - rowsum(G * A))  +  gamma A~ * (G - rowsum(G * A~)),
     d log M = gamma A~ * (G - rowsum(G * A~)),          G = dL/dA^ = dL/dout V^T,
@@ -43,11 +43,10 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, log_post_q, log_post_k, mask, gamma, dropout_p):
         dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
         scale = q.size(-1) ** -0.5
-        logits = torch.matmul(q, k.transpose(-1, -2)).to(dtype).mul_(scale)
-        if mask is not None:
-            logits.add_(mask)
+        logits = _logits(q, k, mask, scale, dtype)
         post_q, post_k = log_post_q.to(dtype).exp(), log_post_k.to(dtype).exp()
         weights, masked, _ = _both_softmaxes(logits, post_q, post_k)
+        del logits
         mixed = torch.lerp(weights, masked, gamma)
         del weights, masked
         keep = None
@@ -56,14 +55,14 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
             mixed.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
         out = torch.matmul(mixed.to(v.dtype), v)
         ctx.gamma, ctx.dropout_p, ctx.scale = gamma, dropout_p, scale
-        ctx.save_for_backward(q, k, v, post_q, post_k, logits, keep)
+        ctx.save_for_backward(q, k, v, post_q, post_k, mask, keep)
         return out
 
     @staticmethod
     def _backward(ctx, grad_out):
-        q, k, v, post_q, post_k, logits, keep = ctx.saved_tensors
-        dtype = logits.dtype
-        weights, masked, inner = _both_softmaxes(logits, post_q, post_k)
+        q, k, v, post_q, post_k, mask, keep = ctx.saved_tensors
+        dtype = post_q.dtype
+        weights, masked, inner = _both_softmaxes(_logits(q, k, mask, ctx.scale, dtype), post_q, post_k)
         gamma, dropout_p = ctx.gamma, ctx.dropout_p
         grad_q = grad_k = grad_v = grad_log_q = grad_log_k = None
 
@@ -100,10 +99,29 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
 
 
 
+def log_semantic_mask(log_pq: Tensor, log_pk: Tensor) -> Tensor:
+    """log M_ij = log sum_c P^q_ic P^k_jc for (..., T, C) and (..., S, C) log posteriors.
+
+    At least fp32, no (..., T, S, C) tensor. Posteriors lie in [0, 1] and each row holds one
+    >= 1/C, so M_ij >= max_c(P^q_ic P^k_jc) underflows only where the two disagree beyond the
+    dtype's range (both log posteriors below about -87 in fp32); there log M is clamped at
+    log(tiny), finite, so softmax(S + log M) stays defined.
+    """
+    with torch.autocast(device_type=log_pq.device.type, enabled=False):
+        dtype = torch.promote_types(torch.promote_types(log_pq.dtype, log_pk.dtype), torch.float32)
+        inner = torch.matmul(log_pq.to(dtype).exp(), log_pk.to(dtype).exp().transpose(-1, -2))
+        return inner.clamp_min(torch.finfo(dtype).tiny).log()
+
+
+def _logits(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float, dtype: torch.dtype) -> Tensor:
+    """S = q k^T / sqrt(d) + mask, in ``dtype`` (the product itself in the inputs' dtype)."""
+    logits = torch.matmul(q, k.transpose(-1, -2)).to(dtype).mul_(scale)
+    return logits if mask is None else logits.add_(mask)
+
+
 def _both_softmaxes(logits: Tensor, post_q: Tensor, post_k: Tensor):
-    """A = softmax(S), A~ = softmax(S + log M) and M = P^q (P^k)^T (unclamped)."""
-    # Posteriors lie in [0, 1] with a row maximum >= 1/C, so the product needs no shift;
-    # pairs that disagree beyond the dtype's range are clamped at log(tiny) (-87 in fp32).
+    """A = softmax(S), A~ = softmax(S + log M) and M = P^q (P^k)^T (unclamped; see
+    ``log_semantic_mask`` for the clamp)."""
     inner = torch.matmul(post_q, post_k.transpose(-1, -2))
     biased = inner.clamp_min(torch.finfo(inner.dtype).tiny).log_().add_(logits)
     masked = torch.softmax(biased, dim=-1)

@@ -4,13 +4,12 @@ import torch
 from torch import Tensor
 
 
-def log_matmul_exp(log_a: Tensor, log_b: Tensor, drop_row_constant: bool = False) -> Tensor:
+def log_matmul_exp(log_a: Tensor, log_b: Tensor) -> Tensor:
     """log( exp(log_a) @ exp(log_b)^T ) for (..., I, C) and (..., J, C), in fp32.
 
     Each row is shifted by its max over c so that the matmul operands lie in [0, 1] with a 1
     in every row. Where every product underflows (rows that disagree beyond ~1e-38) the result
-    is clamped at log(tiny) ~ -87 instead of -inf, keeping it finite. ``drop_row_constant``
-    omits the shift of the rows of ``log_a``, for callers that softmax over j anyway.
+    is clamped at log(tiny) ~ -87 (plus the shifts) instead of -inf, keeping it finite.
     """
     with torch.autocast(device_type=log_a.device.type, enabled=False):
         # fp32 for half/bf16/fp32 inputs; fp64 stays fp64 (gradcheck)
@@ -19,7 +18,4 @@ def log_matmul_exp(log_a: Tensor, log_b: Tensor, drop_row_constant: bool = False
         shift_a = log_a.amax(-1, keepdim=True)
         shift_b = log_b.amax(-1, keepdim=True)
         inner = torch.matmul((log_a - shift_a).exp(), (log_b - shift_b).exp().transpose(-1, -2))
-        result = inner.clamp_min(torch.finfo(dtype).tiny).log() + shift_b.transpose(-1, -2)
-        if not drop_row_constant:
-            result = result + shift_a
-    return result
+        return inner.clamp_min(torch.finfo(dtype).tiny).log() + shift_a + shift_b.transpose(-1, -2)

@@ -184,8 +184,8 @@ class DMATransformerModel(TransformerModel):
                            help="how the interpolated attention is computed: 'fused' (one pass "
                                 "sharing the logits of both softmaxes; the fast form on CPU), "
                                 "'sdpa' (two scaled_dot_product_attention calls, the second with "
-                                "the bias log M; the fast form on CUDA and at inference), 'auto' "
-                                "(fused for CPU training, sdpa otherwise; default). All are exact")
+                                "the bias log M; the fast form on CUDA), 'auto' (sdpa on CUDA, "
+                                "fused elsewhere; default). All are exact")
 
     @classmethod
     def build_model(cls, args, task):

@@ -198,7 +198,7 @@ class DiagonalGMM(nn.Module):
         nn.init.zeros_(self.logits)
 
     def _effective_means(self) -> Tensor:
-        if self.centroid_grad_mult != 1.0 and self.means.requires_grad:
+        if self.centroid_grad_mult != 1.0 and self.means.requires_grad and torch.is_grad_enabled():
             return GradMultiply.apply(self.means, self.centroid_grad_mult)
         return self.means
 

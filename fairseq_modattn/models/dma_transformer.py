@@ -161,13 +161,14 @@ class DMATransformerModel(TransformerModel):
                            help="number of GMM clusters n_c of the token and query GMMs")
         group.add_argument("--dma-attention", type=str, metavar="TYPES",
                            help="comma-separated attention types that use DMA: enc_self, dec_self, "
-                                "enc_dec, or 'none' (default: all three)")
+                                "enc_dec, or 'none'")
         group.add_argument("--dma-alpha", type=float, metavar="A",
                            help="final mask interpolation weight: gamma(t) = 1 - max(1 - A, exp(-r t))")
         group.add_argument("--dma-anneal-rate", type=float, metavar="R",
                            help="annealing rate r of gamma per update (paper: 5e-4)")
         group.add_argument("--dma-noise-var", type=float, metavar="S2",
-                           help="variance s^2 of q(z|x) = N(x, s^2 I): training noise and KL (paper: 0.1)")
+                           help="variance s^2 of q(z|x) = N(x, s^2 I): token-GMM training samples "
+                                "and the KLs (paper: 0.1)")
         group.add_argument("--dma-kl-weight", type=float, metavar="W", help="c_kl, weight of the GMM KL terms")
         group.add_argument("--dma-qq-weight", type=float, metavar="W",
                            help="c_qq, weight of the head-dependence upper bound L_Dqq (minimised)")

@@ -1,0 +1,1 @@
+"""The ``fairseq-modattn`` command (see ``main.py``)."""

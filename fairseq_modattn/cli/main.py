@@ -1,0 +1,91 @@
+"""``fairseq-modattn``: helpers around fairseq's own commands for this plugin.
+
+    fairseq-modattn flags                    # the plugin's architectures
+    fairseq-modattn flags --arch ARCH        # ARCH's plugin flags with ARCH's defaults
+    fairseq-modattn flags --arch ARCH --all  # every model flag of ARCH
+
+Why ``flags`` exists: ``fairseq-train --arch ARCH -h`` prints its help during its first parsing
+pass, before it adds the model's arguments (fairseq 0.12 ``options.parse_args_and_arch``), so
+model flags such as ``--dma-clusters`` never appear there. This command builds the same model
+argument group and fills in the defaults the named architecture sets.
+"""
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def plugin_architectures():
+    """{arch name: model class} for the architectures this package registers."""
+    import fairseq_modattn  # noqa: F401  (registers the models)
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    return {
+        name: cls
+        for name, cls in sorted(ARCH_MODEL_REGISTRY.items())
+        if cls.__module__.startswith("fairseq_modattn.")
+    }
+
+
+def arch_flags_parser(arch: str, show_all: bool) -> argparse.ArgumentParser:
+    """A parser holding ARCH's model flags, its defaults those the architecture sets."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    model_cls = plugin_architectures()[arch]
+    full = argparse.ArgumentParser(add_help=False)
+    model_cls.add_args(full)
+    defaults = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[arch](defaults)
+
+    parser = argparse.ArgumentParser(
+        prog=f"fairseq-train DATA --user-dir fairseq_modattn --arch {arch}",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        add_help=False,
+        description=f"Model flags of --arch {arch} (defaults are the architecture's).",
+    )
+    for group in full._action_groups:
+        own = group.title not in ("positional arguments", "options", "optional arguments")
+        if not group._group_actions or not (show_all or own):
+            continue
+        target = parser.add_argument_group(group.title if own else "model options")
+        for action in group._group_actions:
+            target._add_action(action)
+            if hasattr(defaults, action.dest):
+                action.default = getattr(defaults, action.dest)
+    return parser
+
+
+def flags(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="fairseq-modattn flags", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", help="an architecture of this package; without it, list them")
+    p.add_argument("--all", action="store_true", help="also show the fairseq transformer flags of ARCH")
+    args = p.parse_args(argv)
+    archs = plugin_architectures()
+    if args.arch is None:
+        print("architectures registered by fairseq_modattn (use with --user-dir):")
+        for name, cls in archs.items():
+            print(f"  {name:40s} model {cls.__name__}")
+        print("\nfairseq-modattn flags --arch ARCH   shows ARCH's flags and defaults")
+        return 0
+    if args.arch not in archs:
+        p.error(f"unknown architecture {args.arch!r}; choose from: {', '.join(archs)}")
+    arch_flags_parser(args.arch, args.all).print_help()
+    return 0
+
+
+COMMANDS = {"flags": flags}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,15 @@ A variant implements two hooks:
 
 ``mask`` is the additive mask described above and ``key_padding_mask`` the (B, S) padding of
 the (possibly cached) keys, for variants that need to know which keys are real.
+
+Two more knobs for variants whose projections are not one dense matrix per head:
+
+    * ``key_heads`` / ``value_heads`` (constructor): queries and keys are split into
+      ``key_heads`` heads and values into ``value_heads`` heads (talking-heads attention has
+      h_k, h and h_v heads); both default to ``num_heads``;
+    * ``build_projection(in_features, out_features, bias)``: the module that maps a
+      (N, B, in) input to (N, B, out), ``nn.Linear`` by default (TIM uses a block-diagonal
+      ``GroupLinear``); ``reset_parameters`` calls ``init_projection`` on each.
 """
 
 from contextlib import contextmanager
@@ -102,13 +111,18 @@ class MultiheadAttentionBase(nn.Module):
         bias: bool = True,
         self_attention: bool = False,
         encoder_decoder_attention: bool = False,
+        key_heads: Optional[int] = None,
+        value_heads: Optional[int] = None,
     ):
         super().__init__()
-        if num_heads < 1 or embed_dim % num_heads != 0:
-            raise ValueError(
-                f"embed_dim ({embed_dim}) must be divisible by the number of attention heads "
-                f"({num_heads}): check --encoder-attention-heads / --decoder-attention-heads"
-            )
+        key_heads = num_heads if key_heads is None else key_heads
+        value_heads = num_heads if value_heads is None else value_heads
+        for heads in (num_heads, key_heads, value_heads):
+            if heads < 1 or embed_dim % heads != 0:
+                raise ValueError(
+                    f"embed_dim ({embed_dim}) must be divisible by the number of attention heads "
+                    f"({heads}): check --encoder-attention-heads / --decoder-attention-heads"
+                )
         if self_attention and encoder_decoder_attention:
             raise ValueError("an attention module is either self- or encoder-decoder attention")
         self.embed_dim = embed_dim
@@ -118,28 +132,39 @@ class MultiheadAttentionBase(nn.Module):
         if self_attention and not self.qkv_same_dim:
             raise ValueError("self-attention requires query, key and value of the same width")
         self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
+        self.key_heads = key_heads
+        self.value_heads = value_heads
+        #: width of a query/key head (embed_dim / key_heads)
+        self.head_dim = embed_dim // key_heads
         self.dropout = dropout
         self.self_attention = self_attention
         self.encoder_decoder_attention = encoder_decoder_attention
 
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias)
-        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.q_proj = self.build_projection(embed_dim, embed_dim, bias, "q")
+        self.k_proj = self.build_projection(self.kdim, embed_dim, bias, "k")
+        self.v_proj = self.build_projection(self.vdim, embed_dim, bias, "v")
+        self.out_proj = self.build_projection(embed_dim, embed_dim, bias, "out")
 
         #: set to True (see ``capture_attention``) to keep the last weights in ``last_weights``
         self.record_weights = False
         self.last_weights: Optional[Tensor] = None
         self.reset_parameters()
 
+    def build_projection(self, in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
+        """The (N, B, in) -> (N, B, out) map for ``role`` in q, k, v, out (``nn.Linear`` here)."""
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    def init_projection(self, proj: nn.Module, gain: float):
+        """Xavier-uniform weights with ``gain`` (fairseq's choice); ``proj`` from build_projection."""
+        nn.init.xavier_uniform_(proj.weight, gain=gain)
+
     def reset_parameters(self):
         # Same initialisation as fairseq.modules.MultiheadAttention so that swapping the
         # attention class changes nothing else about a model.
         gain = 2 ** -0.5 if self.qkv_same_dim else 1.0
         for proj in (self.k_proj, self.v_proj, self.q_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=gain)
-        nn.init.xavier_uniform_(self.out_proj.weight)
+            self.init_projection(proj, gain)
+        self.init_projection(self.out_proj, 1.0)
         if self.out_proj.bias is not None:
             nn.init.constant_(self.out_proj.bias, 0.0)
 
@@ -162,10 +187,11 @@ class MultiheadAttentionBase(nn.Module):
         raise NotImplementedError
 
     # ----------------------------------------------------------------- helpers
-    def _split_heads(self, x: Tensor) -> Tensor:
-        """(N, B, H * d) -> (B, H, N, d)."""
+    @staticmethod
+    def _split_heads(x: Tensor, heads: int) -> Tensor:
+        """(N, B, heads * d) -> (B, heads, N, d)."""
         length, bsz, _ = x.shape
-        return x.view(length, bsz, self.num_heads, -1).permute(1, 2, 0, 3)
+        return x.view(length, bsz, heads, -1).permute(1, 2, 0, 3)
 
     def forward(
         self,
@@ -196,7 +222,7 @@ class MultiheadAttentionBase(nn.Module):
             if static_kv and saved.get("prev_key") is not None:
                 key = value = None  # encoder keys were projected at the first step
 
-        q = self._split_heads(self.q_proj(query))
+        q = self._split_heads(self.q_proj(query), self.key_heads)
         q_state = self.token_state(query)
 
         k_state: Dict[str, Tensor] = {}
@@ -206,8 +232,8 @@ class MultiheadAttentionBase(nn.Module):
                 k_state = q_state
             else:
                 k_state = self.token_state(key)
-            k = self._split_heads(self.k_proj(key))
-            v = self._split_heads(self.v_proj(value))
+            k = self._split_heads(self.k_proj(key), self.key_heads)
+            v = self._split_heads(self.v_proj(value), self.value_heads)
             # Expand before caching, so that the cache always has the query batch and beam
             # search's reordering (a bsz-sized new_order) applies to it.
             k, v, k_state, key_padding_mask = self._expand_to_batch(bsz, k, v, k_state, key_padding_mask)

@@ -24,37 +24,31 @@ averages of KL, L_Dqq, L_Dxq, L_dv; ``aux_loss_weights``: their signed weights) 
 from typing import Dict, List, Optional
 
 import torch
-from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
-    TransformerConfig,
-    TransformerDecoderBase,
-    TransformerEncoderBase,
-    TransformerModel,
     base_architecture,
     transformer_iwslt_de_en,
     transformer_wmt_en_de,
 )
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
-from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.utils import safe_getattr
 
 from ..modules.dma_attention import ATTENTION_IMPLS, AUX_LOSS_NAMES, DisentangledMaskAttention
+from .transformer_variant import (
+    ATTENTION_TYPES,
+    AttentionSwapDecoderLayer,
+    AttentionSwapEncoderLayer,
+    TransformerVariantModel,
+    VariantDecoder,
+    VariantEncoder,
+    parse_attention_types,
+)
 
-DMA_ATTENTION_TYPES = ("enc_self", "dec_self", "enc_dec")
+DMA_ATTENTION_TYPES = ATTENTION_TYPES
 
 
 def dma_attention_types(cfg) -> List[str]:
     """The attention types given by --dma-attention (comma-separated), validated."""
-    value = safe_getattr(cfg, "dma_attention", ",".join(DMA_ATTENTION_TYPES))
-    types = [t.strip() for t in value.split(",") if t.strip()] if value.strip().lower() != "none" else []
-    unknown = [t for t in types if t not in DMA_ATTENTION_TYPES]
-    if unknown:
-        raise ValueError(
-            f"--dma-attention: unknown attention type(s) {unknown}; "
-            f"expected a comma-separated subset of {','.join(DMA_ATTENTION_TYPES)} or 'none'"
-        )
-    return types
+    return parse_attention_types(safe_getattr(cfg, "dma_attention", ",".join(DMA_ATTENTION_TYPES)), "--dma-attention")
 
 
 def validate_dma_args(args):
@@ -78,9 +72,12 @@ def validate_dma_args(args):
     dma_attention_types(args)
 
 
-def build_dma_attention(cfg, embed_dim, num_heads, **kwargs) -> DisentangledMaskAttention:
+def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int, **kwargs) -> DisentangledMaskAttention:
+    """The DMA module for one attention type (``AttentionSwap.build_attention``)."""
     if safe_getattr(cfg.quant_noise, "pq", 0) > 0:
         raise ValueError("--quant-noise-pq is not supported by DMA attention")
+    if attention_type == "dec_self":
+        kwargs["mask_at_inference"] = cfg.dma_decoder_mask_at_inference
     return DisentangledMaskAttention(
         embed_dim,
         num_heads,
@@ -95,60 +92,26 @@ def build_dma_attention(cfg, embed_dim, num_heads, **kwargs) -> DisentangledMask
     )
 
 
-def wrap_layer(layer, cfg):
-    """Activation checkpointing and FSDP wrapping exactly as fairseq's layer builders do."""
-    checkpoint = cfg.checkpoint_activations
-    if checkpoint:
-        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
-    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+class DMATransformerEncoderLayer(AttentionSwapEncoderLayer):
+    attention_types = staticmethod(dma_attention_types)
+    build_attention = staticmethod(build_dma_attention)
 
 
-class DMATransformerEncoderLayer(TransformerEncoderLayerBase):
-    def build_self_attention(self, embed_dim, cfg):
-        if "enc_self" not in dma_attention_types(cfg):
-            return super().build_self_attention(embed_dim, cfg)
-        return build_dma_attention(cfg, embed_dim, cfg.encoder.attention_heads, self_attention=True)
+class DMATransformerDecoderLayer(AttentionSwapDecoderLayer):
+    attention_types = staticmethod(dma_attention_types)
+    build_attention = staticmethod(build_dma_attention)
 
 
-class DMATransformerDecoderLayer(TransformerDecoderLayerBase):
-    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        if "dec_self" not in dma_attention_types(cfg):
-            return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
-        if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
-            raise ValueError("DMA decoder self-attention does not support --cross-self-attention")
-        return build_dma_attention(
-            cfg,
-            embed_dim,
-            cfg.decoder.attention_heads,
-            self_attention=True,
-            mask_at_inference=cfg.dma_decoder_mask_at_inference,
-        )
-
-    def build_encoder_attention(self, embed_dim, cfg):
-        if "enc_dec" not in dma_attention_types(cfg):
-            return super().build_encoder_attention(embed_dim, cfg)
-        return build_dma_attention(
-            cfg,
-            embed_dim,
-            cfg.decoder.attention_heads,
-            kdim=cfg.encoder.embed_dim,
-            vdim=cfg.encoder.embed_dim,
-            encoder_decoder_attention=True,
-        )
+class DMATransformerEncoder(VariantEncoder):
+    layer_class = DMATransformerEncoderLayer
 
 
-class DMATransformerEncoder(TransformerEncoderBase):
-    def build_encoder_layer(self, cfg):
-        return wrap_layer(DMATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
-
-
-class DMATransformerDecoder(TransformerDecoderBase):
-    def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        return wrap_layer(DMATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
+class DMATransformerDecoder(VariantDecoder):
+    layer_class = DMATransformerDecoderLayer
 
 
 @register_model("dma_transformer")
-class DMATransformerModel(TransformerModel):
+class DMATransformerModel(TransformerVariantModel):
     """Transformer whose attentions are ``DisentangledMaskAttention`` (see module docstring)."""
 
     @classmethod
@@ -188,20 +151,13 @@ class DMATransformerModel(TransformerModel):
                                 "the bias log M; the fast form on CUDA), 'auto' (sdpa on CUDA, "
                                 "fused elsewhere; default). All are exact")
 
+    encoder_class = DMATransformerEncoder
+    decoder_class = DMATransformerDecoder
+
     @classmethod
-    def build_model(cls, args, task):
+    def prepare_args(cls, args):
         dma_base_architecture(args)
         validate_dma_args(args)
-        return super().build_model(args, task)
-
-    @classmethod
-    def build_encoder(cls, args, src_dict, embed_tokens):
-        return DMATransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
-
-    @classmethod
-    def build_decoder(cls, args, tgt_dict, embed_tokens):
-        cfg = TransformerConfig.from_namespace(args)
-        return DMATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
     def dma_modules(self) -> List[DisentangledMaskAttention]:
         return [m for m in self.modules() if isinstance(m, DisentangledMaskAttention)]

@@ -4,14 +4,17 @@ from .attention_base import MultiheadAttentionBase, capture_attention
 from .dma_attention import DisentangledMaskAttention, annealing_rate
 from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .gmm import DiagonalGMM, GMMStatistics
+from .talking_heads_attention import TalkingHeadsAttention, mix_heads
 
 __all__ = [
     "DiagonalGMM",
     "DisentangledMaskAttention",
     "GMMStatistics",
     "MultiheadAttentionBase",
+    "TalkingHeadsAttention",
     "annealing_rate",
     "capture_attention",
     "interpolated_masked_attention",
     "log_semantic_mask",
+    "mix_heads",
 ]

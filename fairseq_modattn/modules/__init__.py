@@ -4,13 +4,19 @@ from .attention_base import MultiheadAttentionBase, capture_attention
 from .dma_attention import DisentangledMaskAttention, annealing_rate
 from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .gmm import DiagonalGMM, GMMStatistics
+from .group_linear import GroupLayerNorm, GroupLinear
+from .tim_layer import TIMDecoderLayer, TIMEncoderLayer
 from .talking_heads_attention import TalkingHeadsAttention, mix_heads
 
 __all__ = [
     "DiagonalGMM",
     "DisentangledMaskAttention",
     "GMMStatistics",
+    "GroupLayerNorm",
+    "GroupLinear",
     "MultiheadAttentionBase",
+    "TIMDecoderLayer",
+    "TIMEncoderLayer",
     "TalkingHeadsAttention",
     "annealing_rate",
     "capture_attention",

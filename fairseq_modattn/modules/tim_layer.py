@@ -1,0 +1,503 @@
+"""Transformer layers with competing independent mechanisms (TIM; Lamb et al. 2021,
+"Transformers with Competitive Ensembles of Independent Mechanisms", section 3, Algorithm 1).
+
+The hidden state h (width D) of a position is split into n_s mechanisms of width d_m = D / n_s,
+mechanism j = h[..., j*d_m:(j+1)*d_m]. One TIM encoder layer (post-norm, as the paper) is
+
+    Step 1, competition:          c = softmax_j(W^c_j h_j)                  (W^c = GroupLinear(d_m -> 1))
+    Step 2, mechanism attention:  M_j = MHA_j(h_j, h_j, h_j)                (heads of mechanism j only)
+                                  h_j = norm_j(h_j + c_j * M_j)
+    Step 3, inter-mechanism att.: h~_i = sum_j softmax_j(q(h_i) k(h_j)^T / sqrt(d)) v(h_j)
+                                  (per position, over the n_s mechanisms, H_c heads, q/k/v/out
+                                  shared by all mechanisms), h = norm(h + out(h~))
+    Step 4, mechanism-wise FFN:   h_j = norm_j(h_j + W2_j act(W1_j h_j))
+
+where every "norm" normalises each mechanism's slice separately (``GroupLayerNorm``) and every
+per-mechanism weight is block-diagonal (``GroupLinear``). Without competition (TIM-NoComp,
+c = 1) and without step 3, mechanism j's output depends on nothing but mechanism j's input.
+With n_s = 1, no competition and no step 3 the layer is fairseq's transformer layer.
+
+Decoder layers (the paper defines only encoder layers; this is our extension): causal
+mechanism self-attention, then mechanism-wise encoder-decoder attention (queries and outputs
+grouped; keys/values a dense projection of the whole encoder output, so every mechanism reads
+all of it with its own heads), then steps 3 and 4. The competition c is computed once per layer
+from the layer input, as in step 1, and scales *both* attention updates: both are how a
+mechanism reads its context, and the competition decides which mechanisms update their state
+from context at a position. Everything else is per position, so incremental decoding is exact.
+
+Pre-norm (``normalize_before``) places the norms exactly where fairseq does (before each
+sub-layer, the residual taken from the un-normalised input); the competition is then computed
+from the normalised input of the mechanism attention.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from torch import Tensor
+
+from .attention_base import MultiheadAttentionBase
+from .group_linear import GroupLayerNorm, GroupLinear
+
+#: initial gain of the competition scores: small, so that c starts close to uniform (1 / n_s)
+#: and no mechanism is starved of updates before it has learnt anything
+COMPETITION_INIT_GAIN = 0.1
+
+
+def check_mechanisms(embed_dim: int, num_heads: int, num_mechanisms: int, side: str = "encoder"):
+    """Clear errors for a split of ``embed_dim`` / ``num_heads`` into ``num_mechanisms``."""
+    if num_mechanisms < 1:
+        raise ValueError(f"--tim-mechanisms must be >= 1, got {num_mechanisms}")
+    if embed_dim % num_mechanisms != 0:
+        raise ValueError(
+            f"--tim-mechanisms ({num_mechanisms}) must divide --{side}-embed-dim ({embed_dim})"
+        )
+    if num_heads % num_mechanisms != 0:
+        raise ValueError(
+            f"--tim-mechanisms ({num_mechanisms}) must divide --{side}-attention-heads ({num_heads}): "
+            "each mechanism owns the same number of heads"
+        )
+
+
+class MechanismAttention(MultiheadAttentionBase):
+    """Multi-head attention whose heads are partitioned among n_s mechanisms (Algorithm 1, step 2).
+
+    Head i occupies the slice [i*d, (i+1)*d) of the projected width (``MultiheadAttentionBase``),
+    so with H / n_s heads per mechanism mechanism j owns heads j*H/n_s .. (j+1)*H/n_s - 1, i.e.
+    exactly the projected slice [j*d_m, (j+1)*d_m). The q and out projections are
+    ``GroupLinear(n_s, d_m, d_m)`` (block-diagonal), and so are k and v in self-attention: a
+    mechanism's heads see only that mechanism's features and write only its slice. In
+    encoder-decoder attention the keys/values come from the un-split encoder output: k and v are
+    then dense ``nn.Linear(kdim, D)`` (each mechanism's heads read the whole encoder output)
+    while q and out stay grouped.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_mechanisms: int,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        self_attention: bool = False,
+        encoder_decoder_attention: bool = False,
+    ):
+        check_mechanisms(embed_dim, num_heads, num_mechanisms)
+        # build_projection (called by the base constructor) needs it
+        self.num_mechanisms = num_mechanisms
+        super().__init__(
+            embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention
+        )
+
+    def build_projection(self, in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
+        if role in ("k", "v") and self.encoder_decoder_attention:
+            return nn.Linear(in_features, out_features, bias=bias)
+        n = self.num_mechanisms
+        return GroupLinear(n, in_features // n, out_features // n, bias=bias)
+
+    def init_projection(self, proj: nn.Module, gain: float):
+        if isinstance(proj, GroupLinear):
+            proj.reset_parameters(gain)  # Xavier per mechanism: per block as fairseq's per matrix
+        else:
+            super().init_projection(proj, gain)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_state: Dict[str, Tensor],
+        k_state: Dict[str, Tensor],
+        mask: Optional[Tensor],
+        key_padding_mask: Optional[Tensor],
+        need_weights: bool,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        if need_weights:
+            dtype = torch.promote_types(q.dtype, torch.float32)
+            logits = torch.matmul(q.to(dtype) * self.head_dim ** -0.5, k.to(dtype).transpose(-1, -2))
+            if mask is not None:
+                logits = logits + mask.to(dtype)
+            weights = self.explicit_softmax(logits)
+            out = torch.matmul(self.apply_dropout(weights).to(v.dtype), v)
+            return out, weights
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p), None
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, mechanisms={self.num_mechanisms}"
+
+
+class InterMechanismAttention(nn.Module):
+    """Attention among the n_s mechanisms of each position (Algorithm 1, step 3).
+
+    At every position independently the n_s mechanism vectors (width d_m) are n_s "tokens"
+    attending to each other with ``num_heads`` (H_c) heads of width d_m / H_c; q/k/v/out are
+    ``nn.Linear(d_m, d_m)`` shared by all mechanisms. Input and output (..., n_s * d_m);
+    one ``scaled_dot_product_attention`` call over an (N, H_c, n_s, d) layout, N = all positions.
+    """
+
+    def __init__(self, mechanism_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        if num_heads < 1 or mechanism_dim % num_heads != 0:
+            raise ValueError(
+                f"--tim-mechanism-attention-heads ({num_heads}) must divide the mechanism width "
+                f"d_m = embed dim / --tim-mechanisms ({mechanism_dim})"
+            )
+        self.mechanism_dim = mechanism_dim
+        self.num_heads = num_heads
+        self.head_dim = mechanism_dim // num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
+        self.k_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
+        self.v_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
+        self.out_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # fairseq's MultiheadAttention initialisation
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=2 ** -0.5)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead, width = x.shape[:-1], x.size(-1)
+        if width % self.mechanism_dim != 0:
+            raise ValueError(f"input width {width} is not a multiple of the mechanism width {self.mechanism_dim}")
+        n = width // self.mechanism_dim
+        tokens = x.reshape(-1, n, self.mechanism_dim)  # (N, n_s, d_m)
+
+        def heads(t: Tensor) -> Tensor:  # (N, n_s, d_m) -> (N, H_c, n_s, d)
+            return t.view(t.size(0), n, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(tokens)), heads(self.k_proj(tokens)), heads(self.v_proj(tokens))
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        out = out.transpose(1, 2).reshape(-1, n, self.mechanism_dim)
+        return self.out_proj(out).reshape(*lead, width)
+
+    def extra_repr(self) -> str:
+        return f"mechanism_dim={self.mechanism_dim}, num_heads={self.num_heads}"
+
+
+class TIMLayerBase(nn.Module):
+    """What TIM encoder and decoder layers share: competition, steps 3 and 4, norms, dropout."""
+
+    def _build_common(
+        self,
+        cfg,
+        side_cfg,
+        num_mechanisms: int,
+        mechanism_attention_heads: int,
+        competition: bool,
+        mechanism_attention: bool,
+        ffn_embed_dim: Optional[int],
+    ):
+        if utils.safe_getattr(cfg.quant_noise, "pq", 0) > 0:
+            raise ValueError("--quant-noise-pq is not supported by TIM layers")
+        self.embed_dim = side_cfg.embed_dim
+        n = num_mechanisms
+        check_mechanisms(self.embed_dim, side_cfg.attention_heads, n, self.side)
+        self.num_mechanisms = n
+        self.mechanism_dim = d = self.embed_dim // n
+        ffn = side_cfg.ffn_embed_dim if ffn_embed_dim is None else ffn_embed_dim
+        if ffn < n or ffn % n != 0:
+            raise ValueError(
+                f"the TIM FFN width ({ffn}; --tim-ffn-embed-dim or --{self.side}-ffn-embed-dim) must be "
+                f"a positive multiple of --tim-mechanisms ({n})"
+            )
+        self.ffn_embed_dim = ffn
+        self.normalize_before = side_cfg.normalize_before
+
+        self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
+        self.activation_fn = utils.get_activation_fn(activation=cfg.activation_fn)
+        activation_dropout_p = cfg.activation_dropout
+        if activation_dropout_p == 0:
+            # as fairseq: backwards compatibility with models that use relu_dropout
+            activation_dropout_p = cfg.relu_dropout or 0
+        self.activation_dropout_module = FairseqDropout(
+            float(activation_dropout_p), module_name=self.__class__.__name__
+        )
+
+        self.self_attn = MechanismAttention(
+            self.embed_dim, side_cfg.attention_heads, n, dropout=cfg.attention_dropout, self_attention=True
+        )
+        self.self_attn_layer_norm = GroupLayerNorm(n, d)
+        self.build_cross_attention(cfg)
+
+        self.competition = GroupLinear(n, d, 1) if competition else None
+        if self.competition is not None:
+            self.competition.reset_parameters(COMPETITION_INIT_GAIN)
+        #: competition of the last forward, detached, (B, T, n_s); None without competition
+        self.last_competition: Optional[Tensor] = None
+
+        if mechanism_attention:
+            self.mechanism_attn = InterMechanismAttention(d, mechanism_attention_heads, cfg.attention_dropout)
+            self.mechanism_attn_layer_norm = GroupLayerNorm(n, d)
+        else:
+            self.mechanism_attn = None
+            self.mechanism_attn_layer_norm = None
+        self.fc1 = GroupLinear(n, d, ffn // n)
+        self.fc2 = GroupLinear(n, ffn // n, d)
+        # fairseq's FFN keeps nn.Linear's default initialisation; so does each mechanism's FFN
+        self.fc1.reset_parameters_like_linear()
+        self.fc2.reset_parameters_like_linear()
+        self.final_layer_norm = GroupLayerNorm(n, d)
+
+    def build_cross_attention(self, cfg):
+        """Decoder layers add their encoder-decoder attention here (after the self-attention)."""
+
+    # ------------------------------------------------------------------ steps
+    def compete(self, x: Tensor) -> Optional[Tensor]:
+        """Step 1: c = softmax over mechanisms of GroupLinear(d_m -> 1)(x); (T, B, n_s) or None."""
+        if self.competition is None:
+            self.last_competition = None
+            return None
+        scores = self.competition(x)
+        c = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(x.dtype)
+        self.last_competition = c.detach().transpose(0, 1)
+        return c
+
+    def scale_by_competition(self, update: Tensor, c: Optional[Tensor]) -> Tensor:
+        """c_j * update_j for every mechanism slice j of an (T, B, D) update."""
+        if c is None:
+            return update
+        length, bsz, _ = update.shape
+        scaled = update.view(length, bsz, self.num_mechanisms, self.mechanism_dim) * c.unsqueeze(-1)
+        return scaled.view(length, bsz, self.embed_dim)
+
+    def communicate(self, x: Tensor) -> Tensor:
+        """Step 3: residual inter-mechanism attention (identity when switched off)."""
+        if self.mechanism_attn is None:
+            return x
+        residual = x
+        if self.normalize_before:
+            x = self.mechanism_attn_layer_norm(x)
+        x = self.dropout_module(self.mechanism_attn(x))
+        x = residual + x
+        if not self.normalize_before:
+            x = self.mechanism_attn_layer_norm(x)
+        return x
+
+    def feed_forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Step 4: residual mechanism-wise FFN; returns (x, FFN output before dropout)."""
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.activation_fn(self.fc1(x))
+        x = self.activation_dropout_module(x)
+        x = self.fc2(x)
+        fc_result = x
+        x = self.dropout_module(x)
+        x = residual + x
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x, fc_result
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """Called by fairseq's encoder on each layer; TIM checkpoints need no renaming."""
+
+    def extra_repr(self) -> str:
+        return (
+            f"mechanisms={self.num_mechanisms}, competition={self.competition is not None}, "
+            f"mechanism_attention={self.mechanism_attn is not None}, ffn_embed_dim={self.ffn_embed_dim}"
+        )
+
+
+class TIMEncoderLayer(TIMLayerBase):
+    """A TIM encoder layer (Algorithm 1) with fairseq's ``TransformerEncoderLayerBase`` contract.
+
+    ``forward(x (T, B, D), encoder_padding_mask (B, T), attn_mask=None)`` returns x, or
+    ``(x, fc_result)`` when built with ``return_fc`` (fc_result: the FFN output before dropout).
+    """
+
+    side = "encoder"
+
+    def __init__(
+        self,
+        cfg,
+        num_mechanisms: int = 2,
+        mechanism_attention_heads: int = 2,
+        competition: bool = True,
+        mechanism_attention: bool = True,
+        ffn_embed_dim: Optional[int] = None,
+        return_fc: bool = False,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.return_fc = return_fc
+        self._build_common(
+            cfg, cfg.encoder, num_mechanisms, mechanism_attention_heads, competition, mechanism_attention,
+            ffn_embed_dim,
+        )
+
+    def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
+        if attn_mask is not None:
+            # as fairseq: a large finite value rather than -inf (no NaN for fully masked rows)
+            attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
+
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        c = self.compete(x)
+        x, _ = self.self_attn(
+            query=x,
+            key=x,
+            value=x,
+            key_padding_mask=encoder_padding_mask,
+            need_weights=False,
+            attn_mask=attn_mask,
+        )
+        x = self.dropout_module(self.scale_by_competition(x, c))
+        x = residual + x
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        x = self.communicate(x)
+        x, fc_result = self.feed_forward(x)
+
+        if self.return_fc and not torch.jit.is_scripting():
+            return x, fc_result
+        return x
+
+
+class TIMDecoderLayer(TIMLayerBase):
+    """A TIM decoder layer with fairseq's ``TransformerDecoderLayerBase`` contract.
+
+    ``forward(x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
+    prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights)``
+    returns (x, encoder-decoder attention weights or None, None); weights averaged over heads
+    (B, T, S) or per head (H, B, T, S) with ``need_head_weights``, as fairseq.
+    """
+
+    side = "decoder"
+
+    def __init__(
+        self,
+        cfg,
+        no_encoder_attn: bool = False,
+        num_mechanisms: int = 2,
+        mechanism_attention_heads: int = 2,
+        competition: bool = True,
+        mechanism_attention: bool = True,
+        ffn_embed_dim: Optional[int] = None,
+    ):
+        super().__init__()
+        if cfg.cross_self_attention:
+            raise ValueError("TIM decoder layers do not support --cross-self-attention")
+        self.no_encoder_attn = no_encoder_attn
+        self.cross_self_attention = False
+        self._build_common(
+            cfg, cfg.decoder, num_mechanisms, mechanism_attention_heads, competition, mechanism_attention,
+            ffn_embed_dim,
+        )
+        self.need_attn = True
+        self.onnx_trace = False
+
+    def build_cross_attention(self, cfg):
+        if self.no_encoder_attn:
+            self.encoder_attn = None
+            self.encoder_attn_layer_norm = None
+            return
+        self.encoder_attn = MechanismAttention(
+            self.embed_dim,
+            cfg.decoder.attention_heads,
+            self.num_mechanisms,
+            kdim=cfg.encoder.embed_dim,
+            vdim=cfg.encoder.embed_dim,
+            dropout=cfg.attention_dropout,
+            encoder_decoder_attention=True,
+        )
+        self.encoder_attn_layer_norm = GroupLayerNorm(self.num_mechanisms, self.mechanism_dim)
+
+    def prepare_for_onnx_export_(self):
+        self.onnx_trace = True
+
+    def make_generation_fast_(self, need_attn: bool = False, **kwargs):
+        self.need_attn = need_attn
+
+    @staticmethod
+    def _restore_state(attn: MultiheadAttentionBase, incremental_state, state: List[Tensor]):
+        """fairseq's prev_*_state: a [key, value(, key padding mask)] list to preload the cache."""
+        saved: Dict[str, Optional[Tensor]] = {"prev_key": state[0], "prev_value": state[1]}
+        if len(state) >= 3:
+            saved["prev_key_padding_mask"] = state[2]
+        assert incremental_state is not None
+        attn._set_input_buffer(incremental_state, saved)
+
+    def forward(
+        self,
+        x: Tensor,
+        encoder_out: Optional[Tensor] = None,
+        encoder_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        prev_self_attn_state: Optional[List[Tensor]] = None,
+        prev_attn_state: Optional[List[Tensor]] = None,
+        self_attn_mask: Optional[Tensor] = None,
+        self_attn_padding_mask: Optional[Tensor] = None,
+        need_attn: bool = False,
+        need_head_weights: bool = False,
+    ):
+        if need_head_weights:
+            need_attn = True
+
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        # one competition per layer and position, from the layer input (Algorithm 1, step 1);
+        # it scales both attention updates (see the module docstring)
+        c = self.compete(x)
+        if prev_self_attn_state is not None:
+            self._restore_state(self.self_attn, incremental_state, prev_self_attn_state)
+        x, _ = self.self_attn(
+            query=x,
+            key=x,
+            value=x,
+            key_padding_mask=self_attn_padding_mask,
+            incremental_state=incremental_state,
+            need_weights=False,
+            attn_mask=self_attn_mask,
+        )
+        x = self.dropout_module(self.scale_by_competition(x, c))
+        x = residual + x
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        attn: Optional[Tensor] = None
+        if self.encoder_attn is not None and encoder_out is not None:
+            residual = x
+            if self.normalize_before:
+                x = self.encoder_attn_layer_norm(x)
+            if prev_attn_state is not None:
+                self._restore_state(self.encoder_attn, incremental_state, prev_attn_state)
+            x, attn = self.encoder_attn(
+                query=x,
+                key=encoder_out,
+                value=encoder_out,
+                key_padding_mask=encoder_padding_mask,
+                incremental_state=incremental_state,
+                static_kv=True,
+                need_weights=need_attn or (not self.training and self.need_attn),
+                need_head_weights=need_head_weights,
+            )
+            x = self.dropout_module(self.scale_by_competition(x, c))
+            x = residual + x
+            if not self.normalize_before:
+                x = self.encoder_attn_layer_norm(x)
+
+        x = self.communicate(x)
+        x, _ = self.feed_forward(x)
+
+        if self.onnx_trace and incremental_state is not None:
+            saved = self.self_attn._get_input_buffer(incremental_state)
+            self_attn_state = [saved["prev_key"], saved["prev_value"]]
+            if self_attn_padding_mask is not None:
+                self_attn_state.append(saved["prev_key_padding_mask"])
+            return x, attn, self_attn_state
+        return x, attn, None

@@ -390,7 +390,10 @@ def generation_batches(cfg, d: Dictionary, device):
     return batches, lengths
 
 
-def bench_generation(entries, cfg, d, device):
+def time_generation(entries, cfg, d, device):
+    """Seconds per full pass of every model over the same sources (``--gen-repeats`` passes each,
+    models interleaved, after one warm-up batch), and what was decoded. Checks that every
+    hypothesis has exactly ``--gen-len`` tokens + EOS, so all models decode the same steps."""
     batches, src_lengths = generation_batches(cfg, d, device)
     generators = {}
     for e in entries:
@@ -402,11 +405,8 @@ def bench_generation(entries, cfg, d, device):
         )
 
     def run_pass(e, subset):
-        hyp_lengths = []
-        for sample in subset:
-            for hypos in generators[e["name"]].generate([e["model"]], sample):
-                hyp_lengths.append(len(hypos[0]["tokens"]))
-        return hyp_lengths
+        return [len(hypos[0]["tokens"]) for sample in subset
+                for hypos in generators[e["name"]].generate([e["model"]], sample)]
 
     for e in entries:  # warm-up: one batch
         run_pass(e, batches[:1])
@@ -423,10 +423,15 @@ def bench_generation(entries, cfg, d, device):
     for name, lens in out_lengths.items():
         if set(lens) != {expected}:
             raise RuntimeError(f"{name}: hypotheses of lengths {sorted(set(lens))}, expected all {expected}")
-    result = {"sentences": cfg.gen_sentences, "batch_size": cfg.gen_batch_size, "beam": cfg.beam,
-              "max_len_a": 0, "max_len_b": cfg.gen_len, "min_len": cfg.gen_len,
-              "output_tokens_per_hypothesis": expected,
-              "source_lengths": [min(src_lengths), max(src_lengths)]}
+    meta = {"sentences": cfg.gen_sentences, "batch_size": cfg.gen_batch_size, "beam": cfg.beam,
+            "max_len_a": 0, "max_len_b": cfg.gen_len, "min_len": cfg.gen_len,
+            "output_tokens_per_hypothesis": expected,
+            "source_lengths": [min(src_lengths), max(src_lengths)]}
+    return times, meta
+
+
+def bench_generation(entries, cfg, d, device):
+    times, result = time_generation(entries, cfg, d, device)
     for name in ("transformer", "dma"):
         sec = statistics.median(times[name])
         result[f"{name}_seconds"] = sec

@@ -5,6 +5,7 @@ from .dma_attention import DisentangledMaskAttention, annealing_rate
 from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .gmm import DiagonalGMM, GMMStatistics
 from .group_linear import GroupLayerNorm, GroupLinear
+from .rim import GroupGRUCell, GroupLSTMCell, RIMCell, RIMLayer, RIMState
 from .tim_layer import TIMDecoderLayer, TIMEncoderLayer
 from .talking_heads_attention import TalkingHeadsAttention, mix_heads
 
@@ -13,8 +14,13 @@ __all__ = [
     "DisentangledMaskAttention",
     "GMMStatistics",
     "GroupLayerNorm",
+    "GroupGRUCell",
+    "GroupLSTMCell",
     "GroupLinear",
     "MultiheadAttentionBase",
+    "RIMCell",
+    "RIMLayer",
+    "RIMState",
     "TIMDecoderLayer",
     "TIMEncoderLayer",
     "TalkingHeadsAttention",

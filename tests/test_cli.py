@@ -1,6 +1,5 @@
 """End to end through the real fairseq commands with --user-dir, on real Multi30k data."""
 
-import re
 import socket
 import subprocess
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 import fairseq_modattn  # noqa: F401  (the allow-list of compat.py, as --user-dir applies it)
+from cli_checks import check_generate_test_set, check_resume, logged
 from conftest import PLUGIN, fairseq_cli, run_cli
 
 AUX_KEYS = ("ce_loss", "kl", "dqq", "dxq", "div", "gamma")
@@ -34,18 +34,6 @@ def train(data, save_dir, *extra, check=True):
                    check=check)
 
 
-def logged(output, kind):
-    """{num_updates: {key: value}} of fairseq's simple-format 'train_inner' or 'valid' lines."""
-    rows = {}
-    for line in output.splitlines():
-        if f"| {kind} |" not in line and not (kind == "train_inner" and "| train_inner |" in line):
-            continue
-        pairs = dict(re.findall(r"(\w+)[=\s]([-\d.e+]+)(?:,|$|\s\|)", line.split(f"| {kind} |", 1)[1]))
-        if "num_updates" in pairs:
-            rows[int(float(pairs["num_updates"]))] = {k: float(v) for k, v in pairs.items()}
-    return rows
-
-
 @pytest.fixture(scope="module")
 def trained(multi30k_bin, tmp_path_factory):
     """8 updates with a checkpoint every 4: the checkpoints later tests generate from."""
@@ -68,29 +56,12 @@ def test_train_logs_every_loss_term(trained):
 
 
 def test_resume_reproduces_uninterrupted_run(multi30k_bin, trained, tmp_path):
-    _, uninterrupted = trained
-    reference = logged(uninterrupted, "train_inner")
-    save = tmp_path / "resumed"
-    train(multi30k_bin, save, "--max-update", "4", "--save-interval-updates", "4", "--log-interval", "1")
-    _, out = train(multi30k_bin, save, "--max-update", "8", "--save-interval-updates", "4", "--log-interval", "1")
-    assert "Loaded checkpoint" in out and "@ 4 updates" in out, out[-3000:]
-    resumed = logged(out, "train_inner")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for step in (5, 6, 7, 8):
-        for key in ("loss", "ce_loss", "dqq", "gamma"):
-            assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-3, abs=2e-3), (step, key)
+    check_resume(train, multi30k_bin, tmp_path / "resumed", trained[1], stop=4, end=8,
+                 keys=("loss", "ce_loss", "dqq", "gamma"), extra=("--save-interval-updates", "4", "--log-interval", "1"))
 
 
 def test_generate_translates_every_sentence_and_prints_bleu(multi30k_bin, trained):
-    save, _ = trained
-    _, out = run_cli([
-        fairseq_cli("fairseq-generate"), multi30k_bin, "--user-dir", PLUGIN, "--path", save / "checkpoint_last.pt",
-        "--beam", "5", "--remove-bpe", "--batch-size", "64", "--cpu", "--max-len-b", "20", "--gen-subset", "test",
-    ])
-    hypotheses = [line for line in out.splitlines() if line.startswith("H-")]
-    assert len(hypotheses) == 300, f"{len(hypotheses)} of 300 test sentences translated"
-    assert len({line.split("\t")[0] for line in hypotheses}) == 300
-    assert re.search(r"Generate test with beam=5: BLEU4 = [\d.]+", out), out[-2000:]
+    check_generate_test_set(multi30k_bin, trained[0] / "checkpoint_last.pt")
 
 
 def test_interactive_translates_stdin(multi30k_bin, trained):

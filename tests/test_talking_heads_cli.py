@@ -1,11 +1,9 @@
 """talking_heads_transformer end to end through the real fairseq commands on real Multi30k."""
 
-import re
-
 import pytest
 
+from cli_checks import check_generate_test_set, check_resume, logged
 from conftest import PLUGIN, fairseq_cli, run_cli
-from test_cli import logged
 
 # Talking heads everywhere, with h_k, h, h_v all different, so every code path runs.
 SMALL_TH = [
@@ -48,23 +46,8 @@ def test_train_builds_talking_heads_everywhere_and_logs(trained):
 
 
 def test_resume_reproduces_uninterrupted_run(multi30k_bin, trained, tmp_path):
-    _, uninterrupted = trained
-    reference = logged(uninterrupted, "train_inner")
-    save = tmp_path / "resumed"
-    train(multi30k_bin, save, "--max-update", "3")
-    _, out = train(multi30k_bin, save, "--max-update", "6")
-    assert "Loaded checkpoint" in out and "@ 3 updates" in out, out[-3000:]
-    resumed = logged(out, "train_inner")
-    assert sorted(resumed) == [4, 5, 6]
-    for step in (4, 5, 6):
-        assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-3, abs=2e-3), step
+    check_resume(train, multi30k_bin, tmp_path / "resumed", trained[1], stop=3, end=6, keys=("loss",))
 
 
 def test_generate_with_beam_search_prints_bleu(multi30k_bin, trained):
-    save, _ = trained
-    _, out = run_cli([
-        fairseq_cli("fairseq-generate"), multi30k_bin, "--user-dir", PLUGIN, "--path", save / "checkpoint_last.pt",
-        "--beam", "5", "--remove-bpe", "--batch-size", "64", "--cpu", "--max-len-b", "20", "--gen-subset", "test",
-    ])
-    assert len([line for line in out.splitlines() if line.startswith("H-")]) == 300
-    assert re.search(r"Generate test with beam=5: BLEU4 = [\d.]+", out), out[-2000:]
+    check_generate_test_set(multi30k_bin, trained[0] / "checkpoint_last.pt")

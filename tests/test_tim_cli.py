@@ -6,9 +6,9 @@ import pytest
 from fairseq.data import Dictionary
 
 import fairseq_modattn  # noqa: F401  (the allow-list of compat.py, as --user-dir applies it)
+from cli_checks import check_generate_test_set, check_resume, logged
 from conftest import PLUGIN, fairseq_cli, run_cli
 from fairseq_modattn.models.tim_transformer import standard_layer_params, tim_layer_params
-from test_cli import logged
 
 EMBED, FFN = 64, 128
 # 4 encoder layers, so that 'auto' makes layer 2 a TIM layer; decoder layer 1 of 2 is TIM too.
@@ -59,26 +59,8 @@ def test_train_prints_the_hand_computed_parameter_count(multi30k_bin, trained):
 
 
 def test_resume_reproduces_uninterrupted_run(multi30k_bin, trained, tmp_path):
-    _, uninterrupted = trained
-    reference = logged(uninterrupted, "train_inner")
-    save = tmp_path / "resumed"
-    train(multi30k_bin, save, "--max-update", "4")
-    _, out = train(multi30k_bin, save, "--max-update", "8")
-    assert "Loaded checkpoint" in out and "@ 4 updates" in out, out[-3000:]
-    resumed = logged(out, "train_inner")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for step in (5, 6, 7, 8):
-        for key in ("loss", "nll_loss"):
-            assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-3, abs=2e-3), (step, key)
+    check_resume(train, multi30k_bin, tmp_path / "resumed", trained[1], stop=4, end=8, keys=("loss", "nll_loss"))
 
 
 def test_generate_translates_every_test_sentence_and_prints_bleu(multi30k_bin, trained):
-    save, _ = trained
-    _, out = run_cli([
-        fairseq_cli("fairseq-generate"), multi30k_bin, "--user-dir", PLUGIN, "--path", save / "checkpoint_last.pt",
-        "--beam", "5", "--remove-bpe", "--batch-size", "64", "--cpu", "--max-len-b", "20", "--gen-subset", "test",
-    ])
-    hypotheses = [line for line in out.splitlines() if line.startswith("H-")]
-    assert len(hypotheses) == 300, f"{len(hypotheses)} of 300 test sentences translated"
-    assert len({line.split("\t")[0] for line in hypotheses}) == 300
-    assert re.search(r"Generate test with beam=5: BLEU4 = [\d.]+", out), out[-2000:]
+    check_generate_test_set(multi30k_bin, trained[0] / "checkpoint_last.pt")

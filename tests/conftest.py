@@ -43,12 +43,23 @@ def run_cli(args, cwd=None, input_text=None, timeout=600, check=True):
     return proc.returncode, output
 
 
+def shared_corpus(pytestconfig, name: str, probe: str, what: str) -> Path:
+    """The folder NAME of the shared data (skip the test when its file PROBE is absent)."""
+    path = Path(pytestconfig.getoption("--shared-data")) / name
+    if not (path / probe).exists():
+        pytest.skip(f"{what} not found at {path} (pass --shared-data PATH)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def multi30k_dir(pytestconfig) -> Path:
-    path = Path(pytestconfig.getoption("--shared-data")) / "multi30k"
-    if not (path / "train.de.gz").exists():
-        pytest.skip(f"Multi30k not found at {path} (pass --shared-data PATH)")
-    return path
+    return shared_corpus(pytestconfig, "multi30k", "train.de.gz", "Multi30k")
+
+
+@pytest.fixture(scope="session")
+def iwslt_dir(pytestconfig) -> Path:
+    """Real IWSLT16 de-en TED/TEDX dev XML files (the IWSLT14 archive's <seg> format)."""
+    return shared_corpus(pytestconfig, "iwslt16-de-en-dev", "IWSLT16.TED.dev2010.de-en.de.xml", "IWSLT dev XML")
 
 
 @pytest.fixture(scope="session")

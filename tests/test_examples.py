@@ -4,7 +4,8 @@ command builds its model and criterion.
 Each fenced ``bash`` block is read as a shell script (backslash continuations joined); every
 ``fairseq-train`` / ``fairseq-generate`` line is split with ``shlex`` and parsed by fairseq's own
 parser for that command (``options.get_training_parser`` / ``get_generation_parser`` +
-``parse_args_and_arch``, which also loads ``--user-dir`` and fills the architecture's defaults).
+``parse_args_and_arch``, which also loads ``--user-dir`` and fills the architecture's defaults);
+``fairseq-modattn prepare CORPUS ...`` lines are parsed by that corpus' own argument parser.
 Training commands then build the model and criterion on a small synthetic joined dictionary
 (the data directory is not needed for that), which runs the family's flag validation.
 """
@@ -65,6 +66,12 @@ def test_example_commands_parse_and_build(path):
             model = models.build_model(args, task)
             criterions.build_criterion(args, task)
             assert type(model).__module__.startswith("fairseq_modattn."), (argv, type(model))
+        elif program == "fairseq-modattn":
+            from fairseq_modattn import data
+
+            assert argv and argv[0] == "prepare" and argv[1] in data.RECIPES, (path, argv)
+            args = data.parse_args(argv[1], argv[2:])  # argparse exits on an unknown flag
+            assert str(args.dest).startswith("data-bin/"), (path, argv)
         elif program == "fairseq-generate":
             args = options.parse_args_and_arch(options.get_generation_parser(), input_args=argv)
             assert args.path.endswith("checkpoint_best.pt") and args.beam >= 4

@@ -3,6 +3,8 @@
     fairseq-modattn flags                    # the plugin's architectures
     fairseq-modattn flags --arch ARCH        # ARCH's plugin flags with ARCH's defaults
     fairseq-modattn flags --arch ARCH --all  # every model flag of ARCH
+    fairseq-modattn prepare CORPUS --raw-dir DIR --dest data-bin/NAME [...]
+                                             # raw corpus -> data-bin (see prepare -h)
 
 Why ``flags`` exists: ``fairseq-train --arch ARCH -h`` prints its help during its first parsing
 pass, before it adds the model's arguments (fairseq 0.12 ``options.parse_args_and_arch``), so
@@ -73,7 +75,35 @@ def flags(argv: List[str]) -> int:
     return 0
 
 
-COMMANDS = {"flags": flags}
+def prepare(argv: List[str]) -> int:
+    """``fairseq-modattn prepare CORPUS [flags]``: run the data recipe CORPUS (fairseq_modattn.data)."""
+    from fairseq_modattn import data
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: fairseq-modattn prepare CORPUS --raw-dir DIR --dest data-bin/NAME [...]\n")
+        print("corpora (fairseq-modattn prepare CORPUS -h shows a corpus' flags):")
+        for name in sorted(data.RECIPES):
+            print(f"  {name:12s} {data.recipe_module(name).DESCRIPTION}")
+        return 0 if argv else 2
+    if argv[0] not in data.RECIPES:
+        print(f"fairseq-modattn prepare: unknown corpus {argv[0]!r}; choose from: "
+              f"{', '.join(sorted(data.RECIPES))}", file=sys.stderr)
+        return 2
+    from fairseq_modattn.data.pipeline import DataError
+
+    try:
+        data.prepare(argv[0], argv[1:])
+    except DataError as e:
+        print(f"fairseq-modattn prepare {argv[0]}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"fairseq-modattn prepare {argv[0]}: interrupted; finished steps are kept, "
+              "rerun the same command to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+COMMANDS = {"flags": flags, "prepare": prepare}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

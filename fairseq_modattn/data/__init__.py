@@ -1,0 +1,76 @@
+"""Data preparation recipes: raw corpus -> tokenised, BPE'd text -> fairseq data-bin.
+
+``fairseq-modattn prepare CORPUS --raw-dir DIR --dest data-bin/NAME [...]`` looks CORPUS up in
+``RECIPES`` (name -> module path, imported only when used, so ``import fairseq_modattn`` stays
+light). A recipe module defines
+
+    DESCRIPTION: str                      one line for ``fairseq-modattn prepare -h``
+    DEFAULT_DEST: str                     e.g. "data-bin/iwslt14.tokenized.de-en"
+    add_args(parser)                      its own flags (the common ones are added here)
+    prepare(args) -> pipeline.Summary     does the work (resumable), returns the summary
+
+and uses the shared text pipeline in ``pipeline.py``.
+"""
+
+import argparse
+import importlib
+from pathlib import Path
+
+RECIPES = {
+    "multi30k": "fairseq_modattn.data.multi30k",
+    "iwslt14": "fairseq_modattn.data.iwslt14",
+    "wmt14_en_de": "fairseq_modattn.data.wmt14",
+    "wmt17_zh_en": "fairseq_modattn.data.wmt17",
+}
+
+
+def recipe_module(name: str):
+    """The recipe module registered as NAME (KeyError lists the known ones)."""
+    if name not in RECIPES:
+        raise KeyError(f"unknown corpus {name!r}; choose from: {', '.join(sorted(RECIPES))}")
+    return importlib.import_module(RECIPES[name])
+
+
+def add_common_args(parser: argparse.ArgumentParser, default_dest: str):
+    """Flags every recipe takes: where raw files are, where outputs go, downloads, workers."""
+    g = parser.add_argument_group("common data-preparation options")
+    g.add_argument("--raw-dir", type=Path, default=Path("raw"),
+                   help="folder holding the raw corpus files (missing ones are downloaded into it)")
+    g.add_argument("--dest", type=Path, default=Path(default_dest),
+                   help="output data-bin folder for fairseq-train")
+    g.add_argument("--work-dir", type=Path, default=None,
+                   help="folder for the tokenised/BPE'd text and step markers (default: DEST.work)")
+    g.add_argument("--no-download", action="store_true",
+                   help="never download: list the missing raw files and where to place them")
+    g.add_argument("--workers", type=int, default=1, help="processes for tokenisation and fairseq-preprocess")
+    g.add_argument("--summary-json", type=Path, default=None, help="also write the summary as JSON here")
+    return g
+
+
+def build_parser(name: str, prog: str = None) -> argparse.ArgumentParser:
+    """The full argument parser of recipe NAME."""
+    mod = recipe_module(name)
+    parser = argparse.ArgumentParser(
+        prog=prog or f"fairseq-modattn prepare {name}", description=mod.DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_common_args(parser, mod.DEFAULT_DEST)
+    mod.add_args(parser)
+    return parser
+
+
+def parse_args(name: str, argv):
+    args = build_parser(name).parse_args(argv)
+    if args.work_dir is None:
+        args.work_dir = args.dest.parent / (args.dest.name + ".work")
+    args.corpus = name
+    return args
+
+
+def prepare(name: str, argv):
+    """Parse ARGV for recipe NAME, run it, print (and optionally save) its summary."""
+    args = parse_args(name, argv)
+    summary = recipe_module(name).prepare(args)
+    summary.print()
+    if args.summary_json:
+        summary.save(args.summary_json)
+    return summary

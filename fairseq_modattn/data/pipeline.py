@@ -1,0 +1,832 @@
+"""The shared text pipeline of the data recipes: read, normalise, tokenise, clean, BPE, binarise.
+
+Every recipe (``multi30k.py``, ``iwslt14.py``, ``wmt14.py``, ``wmt17.py``) is a list of calls
+into this module; recipes differ only in their corpus lists and options. The API below is
+stable (later changes only add to it):
+
+Errors
+    ``DataError(message, path=None, line=None)``: the message names the file (and the 1-based
+    line) and says what was expected. The CLI prints it without a traceback.
+
+Reading
+    ``iter_lines(path)`` / ``read_lines(path)``: strict UTF-8 lines without their newline,
+    ``.gz`` transparently; a missing file, an empty file, a broken gzip stream or non-UTF-8
+    bytes raise ``DataError`` naming the file (and line). Only ``\\n`` ends a line (U+2028 and
+    friends stay inside the sentence, unlike ``str.splitlines``).
+    ``read_parallel(src_path, tgt_path)``: two aligned files; different line counts raise
+    ``DataError`` naming both files and both counts.
+    ``read_segments(path)`` / ``read_parallel_segments(src, tgt)``: the text of the
+    ``<seg id="N"> ... </seg>`` lines of IWSLT XML and WMT SGM files (one format).
+    ``strip_metadata(lines)``: drop the ``<url>``, ``<talkid>`` ... lines of IWSLT ``train.tags``.
+
+Writing (nothing half-written)
+    ``atomic_path(path)`` (context manager yielding a temporary sibling path, renamed onto
+    ``path`` only when the block succeeds), ``write_lines(path, lines)``, ``atomic_dir(path)``.
+
+Resumable steps
+    ``Steps(work_dir)``; ``steps.run(name, outputs, fn, inputs=(), params=None)`` calls
+    ``fn(*tmp_outputs)`` with temporary sibling paths of ``outputs``, renames them into place
+    and only then writes the step's marker (atomically). A step whose marker matches its
+    params, the checksums of its inputs and the sizes of its outputs is skipped; an
+    interrupted step leaves no marker, so a rerun redoes it (and overwrites what is there).
+
+Text processing
+    ``normalize_punctuation``, ``tokenize`` (Moses via sacremoses, optional aggressive dash
+    splitting ``@-@``, optional lower-casing, ``workers`` processes), ``lowercase``,
+    ``clean_corpus`` (Moses ``clean-corpus-n.perl``: min/max tokens and length ratio; returns
+    the kept pairs and a ``CleanStats``).
+
+Subwords
+    ``learn_bpe`` / ``apply_bpe`` (subword-nmt), ``train_sentencepiece`` /
+    ``apply_sentencepiece`` (sentencepiece, optional dependency).
+
+Binarising
+    ``fairseq_preprocess(dest, src, tgt, trainpref, validpref, testpref, joined=True, ...)``
+    runs fairseq's own ``fairseq-preprocess`` into a temporary folder and renames it to
+    ``dest`` (data-bin/NAME).
+
+Recipe building blocks (resumable steps over folders of ``{split}.{lang}`` text files)
+    ``add_subword_args`` / ``check_subword_args`` (--subword, --vocab, --bpe-size ...),
+    ``subword_steps``, ``binarize_step``, ``text_summary``, ``subword_binarize_summary`` (all
+    three plus the summary), ``save_json`` / ``load_json``.
+
+Raw files
+    ``RawFile(name, url, size=None, sha256=None)``, ``fetch_raw_files(files, raw_dir,
+    download=True)``: local lookup first (size / sha256 checked), download with a progress bar
+    only for missing files; when a file cannot be had, one ``DataError`` lists every missing
+    file with its URL and the exact path to place it at.
+
+Summary
+    ``Summary`` collects sentences per split, vocabulary sizes, dropped pairs; ``.print()``.
+"""
+
+import contextlib
+import glob
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+PathLike = Union[str, Path]
+
+__all__ = [
+    "DataError", "iter_lines", "read_lines", "read_parallel", "read_segments",
+    "read_parallel_segments", "strip_metadata", "atomic_path", "atomic_dir", "write_lines",
+    "sha256sum", "Steps", "normalize_punctuation", "tokenize", "lowercase", "clean_corpus",
+    "CleanStats", "learn_bpe", "apply_bpe", "train_sentencepiece", "apply_sentencepiece",
+    "fairseq_preprocess", "RawFile", "fetch_raw_files", "Summary", "count_lines",
+]
+
+
+class DataError(Exception):
+    """Bad or missing input: the message names the file (and 1-based line) and what was expected."""
+
+    def __init__(self, message: str, path: Optional[PathLike] = None, line: Optional[int] = None):
+        self.path = None if path is None else str(path)
+        self.line = line
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message)
+
+
+# --------------------------------------------------------------------------------------- reading
+
+def _open_bytes(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def iter_lines(path: PathLike, allow_empty: bool = False) -> Iterator[str]:
+    """Yield the lines of PATH (UTF-8, ``.gz`` allowed) without their line ending.
+
+    Raises DataError for a missing file, an empty file (unless ALLOW_EMPTY), a corrupt gzip
+    stream, or bytes that are not UTF-8 (naming the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError("file not found" if not path.exists() else "not a regular file", path)
+    lineno = 0
+    try:
+        with _open_bytes(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at column {e.start + 1}); "
+                        "convert the file to UTF-8", path, lineno) from None
+                if text.endswith("\n"):
+                    text = text[:-1]
+                    if text.endswith("\r"):
+                        text = text[:-1]
+                yield text
+    except (OSError, EOFError, zlib.error) as e:
+        if isinstance(e, FileNotFoundError):
+            raise DataError("file not found", path) from None
+        raise DataError(f"cannot read ({e}); expected a{' gzip' if path.suffix == '.gz' else ''} text file",
+                        path, lineno + 1 if lineno else None) from None
+    if lineno == 0 and not allow_empty:
+        raise DataError("file is empty; expected one sentence per line", path)
+
+
+def read_lines(path: PathLike, allow_empty: bool = False) -> List[str]:
+    """All lines of PATH (see ``iter_lines``)."""
+    return list(iter_lines(path, allow_empty=allow_empty))
+
+
+def count_lines(path: PathLike) -> int:
+    """Number of lines of PATH (``\\n``-terminated, plus a final unterminated one)."""
+    n = 0
+    last = b"\n"
+    with _open_bytes(Path(path)) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
+
+
+def check_parallel(src: Sequence[str], tgt: Sequence[str], src_path: PathLike, tgt_path: PathLike):
+    """Raise DataError naming both files and counts if SRC and TGT differ in length."""
+    if len(src) != len(tgt):
+        raise DataError(
+            f"{len(src)} lines in {src_path} but {len(tgt)} lines in {tgt_path}; "
+            "parallel files must have one sentence per line in the same order")
+
+
+def read_parallel(src_path: PathLike, tgt_path: PathLike) -> Tuple[List[str], List[str]]:
+    """The lines of two aligned files; DataError if their line counts differ."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    check_parallel(src, tgt, src_path, tgt_path)
+    return src, tgt
+
+
+_SEG = re.compile(r"^\s*<seg\s+id\s*=\s*\"?\s*([^\">\s]*)\s*\"?\s*>(.*)</seg>\s*$", re.I)
+
+
+def read_segments(path: PathLike, unescape: bool = False) -> List[str]:
+    """The text of every ``<seg id="N"> ... </seg>`` line of an IWSLT XML / WMT SGM file.
+
+    Leading/trailing whitespace is stripped. A ``<seg`` line that does not close on the same
+    line, or a file without any segment, raises DataError. UNESCAPE decodes XML entities
+    (``&amp;`` ...) for files that use them.
+    """
+    import html
+
+    out = []
+    for lineno, line in enumerate(iter_lines(path), 1):
+        if "<seg" not in line.lower():
+            continue
+        m = _SEG.match(line)
+        if m is None:
+            raise DataError("malformed <seg> line; expected '<seg id=\"N\"> text </seg>' on one line",
+                            path, lineno)
+        text = m.group(2).strip()
+        out.append(html.unescape(text) if unescape else text)
+    if not out:
+        raise DataError("no <seg id=...> lines; expected an IWSLT .xml or WMT .sgm file", path)
+    return out
+
+
+def read_parallel_segments(src_path: PathLike, tgt_path: PathLike, unescape: bool = False):
+    """Segments of two aligned XML/SGM files; DataError if their segment counts differ."""
+    src, tgt = read_segments(src_path, unescape), read_segments(tgt_path, unescape)
+    if len(src) != len(tgt):
+        raise DataError(f"{len(src)} <seg> lines in {src_path} but {len(tgt)} in {tgt_path}; "
+                        "the two sides of a test set must align")
+    return src, tgt
+
+
+def strip_metadata(lines: Iterable[str]) -> List[str]:
+    """Drop IWSLT ``train.tags`` metadata: every line whose first non-blank character is '<'
+    (``<url>``, ``<talkid>``, ``<keywords>``, ``<speaker>``, ``<reviewer>``, ``<translator>``,
+    ``<title>``, ``<description>``, ``<doc ...>``, ``</doc>``)."""
+    return [s for s in lines if not s.lstrip().startswith("<")]
+
+
+# --------------------------------------------------------------------------------------- writing
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike):
+    """Yield a temporary path beside PATH; rename it onto PATH when the block succeeds,
+    remove it when the block raises. Works for files and folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    _remove(tmp)
+    try:
+        yield tmp
+        if not tmp.exists():
+            raise RuntimeError(f"{tmp} was not written")
+        if path.is_dir() and not path.is_symlink():
+            # a folder cannot be replaced in one rename: move the old one aside first
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            _remove(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        _remove(tmp)
+
+
+atomic_dir = atomic_path
+
+
+def _remove(path: Path):
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def write_lines(path: PathLike, lines: Iterable[str]):
+    """Write LINES (one per line, UTF-8, ``\\n``) to PATH atomically."""
+    with atomic_path(path) as tmp:
+        _write_lines_now(tmp, lines)
+
+
+def _write_lines_now(path: PathLike, lines: Iterable[str]):
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for s in lines:
+            f.write(s)
+            f.write("\n")
+
+
+def sha256sum(path: PathLike) -> str:
+    """Hex sha256 of a file, or of a folder's files (names and contents, sorted)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for p in files:
+        if path.is_dir():
+            h.update(str(p.relative_to(path)).encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
+# ------------------------------------------------------------------------------ resumable steps
+
+class Steps:
+    """Resumable, atomic pipeline steps whose completion markers live in WORK_DIR/.steps/.
+
+    ``run(name, outputs, fn, inputs=(), params=None)``: if the marker of NAME exists and
+    records the same PARAMS (JSON-able), the same sha256 of every INPUT and the current size
+    of every OUTPUT, the step is skipped (returns False). Otherwise ``fn(*tmp_paths)`` writes
+    each output to a temporary sibling path, the runner renames them into place and then
+    writes the marker atomically (returns True). An exception in FN removes the temporaries
+    and leaves the step unmarked, so nothing it touched is trusted by a rerun.
+    """
+
+    def __init__(self, work_dir: PathLike, log: Callable[[str], None] = None):
+        self.work_dir = Path(work_dir)
+        self.marker_dir = self.work_dir / ".steps"
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.ran: List[str] = []
+        self.skipped: List[str] = []
+
+    def marker(self, name: str) -> Path:
+        return self.marker_dir / f"{name}.done.json"
+
+    def _record(self, name, outputs, inputs, params, output_sizes=None):
+        return {
+            "step": name,
+            "params": json.loads(json.dumps(params, default=str)),
+            "inputs": {str(p): sha256sum(p) for p in inputs},
+            "outputs": output_sizes or {str(p): _size(p) for p in outputs},
+        }
+
+    def is_done(self, name: str, outputs: Sequence[PathLike], inputs: Sequence[PathLike] = (),
+                params=None) -> bool:
+        marker = self.marker(name)
+        if not marker.is_file():
+            return False
+        try:
+            recorded = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        outputs = [Path(p) for p in outputs]
+        if any(not p.exists() for p in outputs):
+            return False
+        for p in outputs:
+            if recorded.get("outputs", {}).get(str(p)) != _size(p):
+                return False
+        want = self._record(name, [], [Path(p) for p in inputs], params, output_sizes={})
+        return recorded.get("params") == want["params"] and recorded.get("inputs") == want["inputs"]
+
+    def run(self, name: str, outputs: Sequence[PathLike], fn: Callable, inputs: Sequence[PathLike] = (),
+            params=None) -> bool:
+        outputs = [Path(p) for p in outputs]
+        inputs = [Path(p) for p in inputs]
+        if self.is_done(name, outputs, inputs, params):
+            self.log(f"[{name}] up to date, skipped")
+            self.skipped.append(name)
+            return False
+        self.log(f"[{name}] running")
+        marker = self.marker(name)
+        if marker.exists():
+            marker.unlink()
+        for p in outputs:  # temporaries of a run that was killed outright (SIGKILL, power loss)
+            for stale in p.parent.glob(f".{glob.escape(p.name)}.tmp-*"):
+                _remove(stale)
+        with contextlib.ExitStack() as stack:
+            tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
+            fn(*tmps)
+            # leaving the stack renames every temporary onto its output (in reverse order)
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        record = self._record(name, outputs, inputs, params)
+        with atomic_path(marker) as tmp:
+            tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
+        self.ran.append(name)
+        return True
+
+
+# ------------------------------------------------------------------------------ text processing
+
+_WORKER = {}
+
+
+def _init_worker(lang, normalize, tokenize_, lower, escape, aggressive_dash_splits):
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+    _WORKER.clear()
+    _WORKER.update(
+        norm=MosesPunctNormalizer(lang=lang) if normalize else None,
+        tok=MosesTokenizer(lang=lang) if tokenize_ else None,
+        lower=lower, escape=escape, dash=aggressive_dash_splits,
+    )
+
+
+def _process_one(line: str) -> str:
+    w = _WORKER
+    if w["norm"] is not None:
+        line = w["norm"].normalize(line)
+    if w["tok"] is not None:
+        line = w["tok"].tokenize(line, return_str=True, escape=w["escape"],
+                                 aggressive_dash_splits=w["dash"])
+    else:
+        line = " ".join(line.split())
+    if w["lower"]:
+        line = line.lower()
+    return line
+
+
+def _process_chunk(lines: List[str]) -> List[str]:
+    return [_process_one(s) for s in lines]
+
+
+def tokenize(lines: Sequence[str], lang: str, *, normalize: bool = False, tokenize: bool = True,
+             lower: bool = False, escape: bool = True, aggressive_dash_splits: bool = False,
+             workers: int = 1) -> List[str]:
+    """Moses pipeline on LINES: optional punctuation normalisation (``normalize-punctuation.perl``),
+    tokenisation (``tokenizer.perl -l LANG``; ESCAPE as Moses' default ``&amp;`` escaping,
+    AGGRESSIVE_DASH_SPLITS as ``-a``, which WMT14 en-de uses), optional lower-casing
+    (``lowercase.perl``). WORKERS > 1 splits the work over processes (same output)."""
+    config = (lang, normalize, tokenize, lower, escape, aggressive_dash_splits)
+    lines = list(lines)
+    if workers <= 1 or len(lines) < 2000:
+        _init_worker(*config)
+        return _process_chunk(lines)
+    import multiprocessing
+
+    size = 1000
+    chunks = [lines[i:i + size] for i in range(0, len(lines), size)]
+    with multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork").Pool(
+            workers, initializer=_init_worker, initargs=config) as pool:
+        out = []
+        for part in pool.imap(_process_chunk, chunks):
+            out.extend(part)
+    return out
+
+
+def normalize_punctuation(lines: Sequence[str], lang: str, workers: int = 1) -> List[str]:
+    """Moses ``normalize-punctuation.perl -l LANG`` (sacremoses), without tokenising."""
+    return tokenize(lines, lang, normalize=True, tokenize=False, workers=workers)
+
+
+def lowercase(lines: Iterable[str]) -> List[str]:
+    """Moses ``lowercase.perl`` (Unicode lower-casing)."""
+    return [s.lower() for s in lines]
+
+
+@dataclass
+class CleanStats:
+    kept: int = 0
+    too_short: int = 0
+    too_long: int = 0
+    bad_ratio: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.too_short + self.too_long + self.bad_ratio
+
+    def save(self, path: PathLike):
+        """Write the counts as JSON (atomically), so a skipped rerun can still report them."""
+        save_json(path, {"too_short": self.too_short, "too_long": self.too_long,
+                         "bad_ratio": self.bad_ratio, "kept": self.kept})
+
+    @classmethod
+    def load(cls, path: PathLike) -> "CleanStats":
+        return cls(**load_json(path))
+
+    def reasons(self) -> Dict[str, int]:
+        return {"too_short": self.too_short, "too_long": self.too_long, "bad_ratio": self.bad_ratio}
+
+
+def clean_corpus(src: Sequence[str], tgt: Sequence[str], *, ratio: float = 9.0, min_len: int = 1,
+                 max_len: int = 175) -> Tuple[List[str], List[str], CleanStats]:
+    """Moses ``clean-corpus-n.perl -ratio RATIO src tgt out MIN MAX`` on aligned token lists.
+
+    Whitespace is collapsed; a pair is dropped if either side has fewer than MIN_LEN or more
+    than MAX_LEN tokens, or if one side is more than RATIO times longer than the other.
+    Returns (kept src, kept tgt, CleanStats)."""
+    if len(src) != len(tgt):
+        raise DataError(f"clean_corpus: {len(src)} source but {len(tgt)} target lines")
+    out_s, out_t, st = [], [], CleanStats()
+    for s, t in zip(src, tgt):
+        ws, wt = s.split(), t.split()
+        ns, nt = len(ws), len(wt)
+        if ns < min_len or nt < min_len:
+            st.too_short += 1
+        elif ns > max_len or nt > max_len:
+            st.too_long += 1
+        elif ns / nt > ratio or nt / ns > ratio:
+            st.bad_ratio += 1
+        else:
+            out_s.append(" ".join(ws))
+            out_t.append(" ".join(wt))
+    st.kept = len(out_s)
+    return out_s, out_t, st
+
+
+# ------------------------------------------------------------------------------------- subwords
+
+def learn_bpe(texts: Sequence[Sequence[str]], codes_path: PathLike, merges: int, min_frequency: int = 2):
+    """subword-nmt ``learn_bpe.py -s MERGES`` on the concatenation of TEXTS (each a list of
+    lines); writes the codes to CODES_PATH (atomically)."""
+    from subword_nmt.learn_bpe import learn_bpe as _learn
+
+    with atomic_path(codes_path) as tmp:
+        lines = (s + "\n" for text in texts for s in text)
+        with open(tmp, "w", encoding="utf-8", newline="\n") as out:
+            _learn(lines, out, merges, min_frequency=min_frequency)
+
+
+def apply_bpe(lines: Iterable[str], codes_path: PathLike) -> List[str]:
+    """subword-nmt ``apply_bpe.py -c CODES`` (``@@ `` continuation marks)."""
+    from subword_nmt.apply_bpe import BPE
+
+    with open(codes_path, encoding="utf-8") as f:
+        bpe = BPE(f)
+    return [bpe.process_line(s) for s in lines]
+
+
+def _require_sentencepiece():
+    try:
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        raise DataError("the sentencepiece option needs the `sentencepiece` package: "
+                        "pip install sentencepiece") from None
+    return sentencepiece
+
+
+def train_sentencepiece(texts: Sequence[Sequence[str]], model_prefix: PathLike, vocab_size: int,
+                        model_type: str = "bpe", character_coverage: float = 1.0):
+    """Train a SentencePiece model on TEXTS; writes MODEL_PREFIX.model and .vocab atomically
+    (single-threaded and unshuffled, so reruns give identical models)."""
+    spm = _require_sentencepiece()
+    prefix = Path(model_prefix)
+    with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=".spm-") as tmpdir:
+        corpus = Path(tmpdir) / "corpus.txt"
+        _write_lines_now(corpus, (s for text in texts for s in text))
+        spm.SentencePieceTrainer.train(
+            input=str(corpus), model_prefix=str(Path(tmpdir) / "m"), vocab_size=vocab_size,
+            model_type=model_type, character_coverage=character_coverage, num_threads=1,
+            shuffle_input_sentence=False, minloglevel=2, hard_vocab_limit=False,
+        )
+        for ext in ("vocab", "model"):  # .model last: its presence means "trained"
+            os.replace(Path(tmpdir) / f"m.{ext}", f"{prefix}.{ext}")
+
+
+def apply_sentencepiece(lines: Sequence[str], model_path: PathLike) -> List[str]:
+    """Encode LINES into space-separated SentencePiece pieces."""
+    spm = _require_sentencepiece()
+    sp = spm.SentencePieceProcessor(model_file=str(model_path))
+    return [" ".join(p) for p in sp.encode(list(lines), out_type=str)]
+
+
+# ------------------------------------------------------------------------------------ binarising
+
+def fairseq_preprocess(dest: PathLike, src: str, tgt: str, trainpref: PathLike,
+                       validpref: Optional[PathLike] = None, testpref: Optional[PathLike] = None,
+                       joined: bool = True, workers: int = 1, nwordssrc: int = -1, nwordstgt: int = -1,
+                       extra_files: Sequence[PathLike] = (), extra_args: Sequence[str] = (),
+                       log_dest: Optional[PathLike] = None):
+    """Run fairseq's ``fairseq-preprocess`` (``--joined-dictionary`` if JOINED) into a temporary
+    folder, copy EXTRA_FILES (BPE codes, sentencepiece model) into it, and rename it onto DEST.
+    Its ``preprocess.log`` names LOG_DEST (default DEST), not the temporary folder, so reruns
+    write identical bytes."""
+    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang", tgt,
+           "--trainpref", str(trainpref), "--workers", str(workers)]
+    if validpref:
+        cmd += ["--validpref", str(validpref)]
+    if testpref:
+        cmd += ["--testpref", str(testpref)]
+    if joined:
+        cmd += ["--joined-dictionary"]
+    if nwordssrc > 0:
+        cmd += ["--nwordssrc", str(nwordssrc)]
+    if nwordstgt > 0:
+        cmd += ["--nwordstgt", str(nwordstgt)]
+    cmd += list(extra_args)
+    with atomic_path(dest) as tmp:
+        proc = subprocess.run(cmd + ["--destdir", str(tmp)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise DataError(f"fairseq-preprocess failed (exit {proc.returncode}):\n"
+                            f"{(proc.stdout + proc.stderr)[-3000:]}", dest)
+        for f in extra_files:
+            shutil.copyfile(f, tmp / Path(f).name)
+        log = tmp / "preprocess.log"
+        if log.is_file():
+            text = log.read_text(encoding="utf-8").replace(str(tmp), str(log_dest or dest))
+            log.write_text(text, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------- raw files
+
+@dataclass
+class RawFile:
+    """A raw corpus file: NAME inside --raw-dir, its public URL, and optional checks."""
+    name: str
+    url: Optional[str] = None
+    size: Optional[int] = None
+    sha256: Optional[str] = None
+    note: str = ""
+
+    def check(self, path: Path):
+        if self.size is not None and path.stat().st_size != self.size:
+            raise DataError(f"has {path.stat().st_size} bytes, expected {self.size} "
+                            f"(a truncated or wrong file? {self.url or ''})".rstrip(), path)
+        if self.sha256 is not None and sha256sum(path) != self.sha256:
+            raise DataError(f"sha256 differs from the expected {self.sha256} (a wrong or corrupt file)", path)
+
+
+def _download(url: str, dest: Path, timeout: float = 30.0):
+    import urllib.request
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    with atomic_path(dest) as tmp:
+        with urllib.request.urlopen(url, timeout=timeout) as resp, open(tmp, "wb") as out:
+            total = int(resp.headers.get("Content-Length") or 0) or None
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, file=sys.stderr) if tqdm else None
+            for chunk in iter(lambda: resp.read(1 << 16), b""):
+                out.write(chunk)
+                if bar:
+                    bar.update(len(chunk))
+            if bar:
+                bar.close()
+
+
+def fetch_raw_files(files: Sequence[RawFile], raw_dir: PathLike, download: bool = True,
+                    log: Callable[[str], None] = None) -> Dict[str, Path]:
+    """{name: path} of FILES inside RAW_DIR. Files present are checked (size / sha256); missing
+    ones are downloaded (progress bar, checked, written atomically) when DOWNLOAD allows and
+    the network answers. Otherwise one DataError lists every missing file: where to place it
+    and where it comes from."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    raw_dir = Path(raw_dir)
+    found, missing = {}, []
+    offline = False
+    for f in files:
+        path = raw_dir / f.name
+        if path.is_file():
+            f.check(path)
+            found[f.name] = path
+            continue
+        if download and f.url and not offline:
+            log(f"downloading {f.url} -> {path}")
+            try:
+                _download(f.url, path)
+                f.check(path)
+                found[f.name] = path
+                continue
+            except DataError:
+                path.unlink(missing_ok=True)
+                raise
+            except Exception as e:  # network errors of any kind: fall through to the message
+                log(f"  download failed: {e}")
+                offline = True  # do not wait for every other URL to time out too
+        missing.append((f, path))
+    if missing:
+        lines = [f"{len(missing)} raw file(s) missing"
+                 + (" and could not be downloaded (offline?)" if download else " (downloads disabled)")
+                 + "; place each file at the path shown and rerun:"]
+        for f, path in missing:
+            extra = f" [{f.size} bytes]" if f.size else ""
+            lines.append(f"  {path}{extra}\n      from {f.url or '(no public URL)'}"
+                         + (f"\n      {f.note}" if f.note else ""))
+        raise DataError("\n".join(lines))
+    return found
+
+
+# ---------------------------------------------------------------------------------------- summary
+
+@dataclass
+class Summary:
+    """What a recipe produced: sentences per split, vocabulary sizes, dropped pairs."""
+    name: str
+    dest: str = ""
+    sentences: Dict[str, int] = field(default_factory=dict)
+    vocab: Dict[str, int] = field(default_factory=dict)
+    dropped: Dict[str, int] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    def read_vocab(self, dest: PathLike, langs: Sequence[str]):
+        """Fill ``vocab`` from DEST/dict.LANG.txt (+4 fairseq special symbols)."""
+        for lang in langs:
+            d = Path(dest) / f"dict.{lang}.txt"
+            if d.is_file():
+                self.vocab[lang] = count_lines(d) + 4
+
+    def to_dict(self):
+        return {"name": self.name, "dest": self.dest, "sentences": self.sentences,
+                "vocab": self.vocab, "dropped": self.dropped, "notes": self.notes}
+
+    def format(self) -> str:
+        out = [f"== {self.name} -> {self.dest}"]
+        out.append("sentences: " + ", ".join(f"{k} {v:,}" for k, v in self.sentences.items()))
+        out.append("vocabulary (fairseq dict incl. 4 specials): "
+                   + ", ".join(f"{k} {v:,}" for k, v in self.vocab.items()))
+        total = sum(self.dropped.values())
+        out.append(f"dropped pairs: {total:,}" + (
+            " (" + ", ".join(f"{k} {v:,}" for k, v in self.dropped.items()) + ")" if self.dropped else ""))
+        out.extend(self.notes)
+        return "\n".join(out)
+
+    def print(self, file=None):
+        print(self.format(), file=file or sys.stdout, flush=True)
+
+    def save(self, path: PathLike):
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------ recipe building blocks
+# Higher-level steps shared by the recipes: subword learning/application, binarisation and the
+# summary, all over a folder of plain-text files named {split}.{lang}.
+
+SUBWORD_METHODS = ("subword-nmt", "sentencepiece")
+
+
+def add_subword_args(parser, *, joint_size: int, src_size: int, tgt_size: int, vocab: str = "joint",
+                     method: str = "subword-nmt"):
+    """Flags choosing the subword model: --subword, --vocab joint|separate, --bpe-size,
+    --src-bpe-size, --tgt-bpe-size (merges for subword-nmt, vocabulary size for sentencepiece)."""
+    g = parser.add_argument_group("subword options")
+    g.add_argument("--subword", choices=SUBWORD_METHODS, default=method,
+                   help="subword-nmt BPE (@@ marks; generate with --remove-bpe) or a sentencepiece "
+                        "BPE model (generate with --remove-bpe sentencepiece)")
+    g.add_argument("--vocab", choices=("joint", "separate"), default=vocab,
+                   help="one subword model and one joined fairseq dictionary for both languages, "
+                        "or one per language (separate dictionaries)")
+    g.add_argument("--bpe-size", type=int, default=joint_size,
+                   help="joint model: merge operations (subword-nmt) or vocabulary size (sentencepiece)")
+    g.add_argument("--src-bpe-size", type=int, default=src_size, help="separate model of the source language")
+    g.add_argument("--tgt-bpe-size", type=int, default=tgt_size, help="separate model of the target language")
+    return g
+
+
+def check_subword_args(args):
+    for flag in ("bpe_size", "src_bpe_size", "tgt_bpe_size"):
+        if getattr(args, flag) <= 0:
+            raise DataError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+
+
+def subword_steps(steps: Steps, text_dir: PathLike, out_dir: PathLike, splits: Sequence[str],
+                  src: str, tgt: str, *, method: str = "subword-nmt", joint: bool = True,
+                  joint_size: int = 10000, src_size: int = 10000, tgt_size: int = 10000) -> List[Path]:
+    """Learn the subword model(s) on TEXT_DIR/train.{src,tgt} and apply them to every
+    TEXT_DIR/{split}.{lang}, writing OUT_DIR/{split}.{lang}. Two resumable steps ("subword-learn",
+    "subword-apply"). Returns the model files (to ship with the data-bin)."""
+    text_dir, out_dir = Path(text_dir), Path(out_dir)
+    if method not in SUBWORD_METHODS:
+        raise DataError(f"unknown subword method {method!r}; choose from {', '.join(SUBWORD_METHODS)}")
+    train = {lang: text_dir / f"train.{lang}" for lang in (src, tgt)}
+    spm = method == "sentencepiece"
+    if joint:
+        groups = {"joint": ([src, tgt], joint_size)}
+    else:
+        groups = {src: ([src], src_size), tgt: ([tgt], tgt_size)}
+
+    def model_file(group):
+        if spm:
+            return out_dir / (f"spm.{group}.model" if group != "joint" else "spm.model")
+        return out_dir / (f"code.{group}" if group != "joint" else "code")
+
+    models = [model_file(g) for g in groups]
+
+    def learn(*tmps):
+        for (group, (langs, size)), tmp in zip(groups.items(), tmps):
+            texts = [read_lines(train[lang]) for lang in langs]
+            if spm:
+                prefix = Path(f"{tmp}.spm")
+                train_sentencepiece(texts, prefix, size)
+                os.replace(f"{prefix}.model", tmp)
+                os.replace(f"{prefix}.vocab", model_file(group).with_suffix(".vocab"))
+            else:
+                learn_bpe(texts, tmp, size)
+
+    params = {"method": method, "groups": {g: v for g, v in groups.items()}}
+    steps.run("subword-learn", models, learn, inputs=list(train.values()), params=params)
+
+    outputs = [out_dir / f"{split}.{lang}" for split in splits for lang in (src, tgt)]
+    inputs = [text_dir / f"{split}.{lang}" for split in splits for lang in (src, tgt)]
+
+    def apply(*tmps):
+        for inp, tmp in zip(inputs, tmps):
+            lang = inp.suffix[1:]
+            model = model_file("joint" if joint else lang)
+            lines = read_lines(inp, allow_empty=True)
+            out = apply_sentencepiece(lines, model) if spm else apply_bpe(lines, model)
+            _write_lines_now(tmp, out)
+
+    steps.run("subword-apply", outputs, apply, inputs=inputs + models, params=params)
+    return models
+
+
+def binarize_step(steps: Steps, text_dir: PathLike, dest: PathLike, src: str, tgt: str, *,
+                  joined: bool, workers: int = 1, extra_files: Sequence[PathLike] = (),
+                  splits: Sequence[str] = ("train", "valid", "test")):
+    """Resumable "binarize" step: fairseq-preprocess of TEXT_DIR/{train,valid,test}.{src,tgt}
+    into DEST (joined or separate dictionaries); EXTRA_FILES are copied into DEST."""
+    text_dir = Path(text_dir)
+    prefs = {s: text_dir / s for s in splits}
+    inputs = [text_dir / f"{s}.{lang}" for s in splits for lang in (src, tgt)] + [Path(f) for f in extra_files]
+
+    def binarize(tmp):
+        # fairseq_preprocess renames its own temporary folder onto TMP
+        fairseq_preprocess(tmp, src, tgt, prefs["train"], prefs.get("valid"), prefs.get("test"),
+                           joined=joined, workers=workers, extra_files=extra_files, log_dest=dest)
+
+    steps.run("binarize", [Path(dest)], binarize, inputs=inputs, params={"joined": joined, "src": src, "tgt": tgt})
+
+
+def text_summary(name: str, dest: PathLike, text_dir: PathLike, splits: Sequence[str], src: str, tgt: str,
+                 dropped: Optional[Dict[str, int]] = None) -> Summary:
+    """A Summary from the files of a finished recipe (works after a fully skipped rerun)."""
+    summary = Summary(name=name, dest=str(dest))
+    for split in splits:
+        summary.sentences[split] = count_lines(Path(text_dir) / f"{split}.{src}")
+    summary.read_vocab(dest, [src, tgt])
+    summary.dropped = dict(dropped or {})
+    return summary
+
+
+def save_json(path: PathLike, obj):
+    """Write OBJ as JSON to PATH atomically."""
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_json(path: PathLike):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def subword_binarize_summary(steps: Steps, args, text_dir: PathLike, sub_dir: PathLike,
+                             splits: Sequence[str], src: str, tgt: str, name: str,
+                             clean_stats: Optional[PathLike] = None) -> Summary:
+    """The common tail of a recipe: ``subword_steps`` (flags of ``add_subword_args``),
+    ``binarize_step`` into ``args.dest`` and the Summary (dropped pairs read from CLEAN_STATS,
+    a ``CleanStats.save`` file)."""
+    joint = args.vocab == "joint"
+    models = subword_steps(steps, text_dir, sub_dir, splits, src, tgt, method=args.subword, joint=joint,
+                           joint_size=args.bpe_size, src_size=args.src_bpe_size, tgt_size=args.tgt_bpe_size)
+    binarize_step(steps, sub_dir, args.dest, src, tgt, joined=joint, workers=args.workers,
+                  extra_files=models, splits=splits)
+    dropped = CleanStats.load(clean_stats).reasons() if clean_stats else {}
+    summary = text_summary(name, args.dest, sub_dir, splits, src, tgt, dropped)
+    summary.notes.append(f"tokenised text: {text_dir}; subword text: {sub_dir}; "
+                         f"subword model(s) copied into {args.dest}")
+    return summary

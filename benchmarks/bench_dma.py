@@ -617,15 +617,18 @@ def write_json(path: Path, results):
     path.write_text(json.dumps(results, indent=2))
 
 
-def main(argv=None):
-    cfg = get_parser().parse_args(argv)
+def prepare_run(cfg, argv, quick_overrides, quick_model_args):
+    """What every benchmark script does with its parsed options before building models:
+    ``--quick`` fills ``quick_overrides`` for the options not given on the command line and sets
+    ``cfg.model_args``; ``--threads``; the device (CUDA falls back to the CPU, saying so); on
+    the CPU the address-space cap (``--memory-limit-gb``). Returns the torch device."""
     cfg.model_args = []
     if cfg.quick:
-        explicit = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
-        for key, value in QUICK.items():
-            if "--" + key.replace("_", "-") not in explicit:
+        given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+        for key, value in quick_overrides.items():
+            if "--" + key.replace("_", "-") not in given:
                 setattr(cfg, key, value)
-        cfg.model_args = QUICK_MODEL_ARGS
+        cfg.model_args = quick_model_args
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
@@ -635,26 +638,41 @@ def main(argv=None):
     cfg.device = str(device)
     if device.type == "cpu":
         cfg.memory_limit_gb = limit_address_space(cfg.memory_limit_gb)
+    return device
+
+
+def versions_line(device) -> str:
+    return (f"fairseq {fairseq.__version__}, torch {torch.__version__}, device {device}, "
+            f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+
+
+def results_header(cfg, device, **env_extra) -> dict:
+    """The JSON's config, env and provenance sections."""
+    env = {"fairseq": fairseq.__version__, "torch": torch.__version__, "python": platform.python_version(),
+           "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), **env_extra}
+    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
+            "env": env, "provenance": provenance()}
+
+
+def main(argv=None):
+    cfg = get_parser().parse_args(argv)
+    device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
 
     d = synthetic_dictionary(cfg.dict_size)
     entries = [build(name, arch, crit, cfg, d, d, device) for name, arch, crit in MODELS]
     dma = entries[1]["model"]
     a = entries[1]["args"]
-    print(f"fairseq {fairseq.__version__}, torch {torch.__version__}, device {device}, "
-          f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+    print(versions_line(device))
     print(f"models: {a.encoder_embed_dim} emb, {a.encoder_ffn_embed_dim} FFN, {a.encoder_attention_heads} heads, "
           f"{a.encoder_layers}+{a.decoder_layers} layers, dict {len(d)}; params transformer "
           f"{entries[0]['params'] / 1e6:.2f}M, DMA {entries[1]['params'] / 1e6:.2f}M; DMA clusters "
           f"{a.dma_clusters}, {len(dma.dma_modules())} DMA attentions, gamma {dma.dma_modules()[0].gamma:.3f} "
           f"(num_updates {cfg.num_updates})", flush=True)
 
+    memory_method = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                     else "torch.profiler profile_memory total_allocated peak")
     results = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
-        "env": {"fairseq": fairseq.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                "memory_method": "torch.cuda.max_memory_allocated" if device.type == "cuda"
-                else "torch.profiler profile_memory total_allocated peak"},
-        "provenance": provenance(),
+        **results_header(cfg, device, memory_method=memory_method),
         "models": {e["name"]: {"arch": e["arch"], "criterion": e["criterion_name"], "params": e["params"]}
                    for e in entries},
     }

@@ -44,8 +44,6 @@ Examples:
 """
 
 import argparse
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -59,19 +57,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dma import (  # noqa: E402
     REPO,
     build,
-    limit_address_space,
+    prepare_run,
     parse_fairseq_args,
     per_length,
-    provenance,
+    results_header,
     synthetic_dictionary,
     timed_step,
     train_step,
     training_sample,
+    versions_line,
     write_json,
     zero_grad,
 )
 
-import fairseq  # noqa: E402
 from fairseq.models.lstm import LSTMEncoder  # noqa: E402
 
 from fairseq_modattn.models.rim_lstm import RIMEncoder  # noqa: E402
@@ -204,30 +202,15 @@ def get_parser():
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
     cfg = get_parser().parse_args(argv)
-    cfg.model_args = []
+    device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
     if cfg.quick:
-        given = {a.split("=")[0] for a in argv}
-        for key, value in QUICK.items():
-            if "--" + key.replace("_", "-") not in given:
-                setattr(cfg, key, value)
-        cfg.model_args = QUICK_MODEL_ARGS
         cfg.rim_args = QUICK_RIM_ARGS + cfg.rim_args
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device if cfg.device == "cpu" or torch.cuda.is_available() else "cpu")
-    if str(device) != cfg.device:
-        print(f"{cfg.device} is not available; running on CPU", flush=True)
-    cfg.device = str(device)
-    if device.type == "cpu":
-        cfg.memory_limit_gb = limit_address_space(cfg.memory_limit_gb)
 
     d = synthetic_dictionary(cfg.dict_size)
     rim, lstm = build_pair(cfg, d, device)
     a = rim["args"]
-    print(f"fairseq {fairseq.__version__}, torch {torch.__version__}, device {device}, "
-          f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+    print(versions_line(device))
     print(f"  rim_lstm --arch {RIM_ARCH} {' '.join(rim['flags'])}\n"
           f"           n={a.rim_num} k={a.rim_top_k} d_r={a.rim_size} layers={a.rim_layers} "
           f"bidirectional={a.rim_bidirectional} cell={a.rim_cell} -> {rim['model'].encoder.output_units} "
@@ -240,10 +223,7 @@ def main(argv=None):
     if not cfg.no_model:
         steps += [lstm, rim]
     results = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
-        "env": {"fairseq": fairseq.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
-        "provenance": provenance(),
+        **results_header(cfg, device),
         "models": {e["name"]: {"arch": e["arch"], "flags": e["flags"], "params": e["params"],
                                "encoder_params": e["encoder_params"],
                                "encoder_output_units": e["model"].encoder.output_units}

@@ -46,8 +46,6 @@ Examples:
 
 import argparse
 import gc
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -61,20 +59,19 @@ from bench_dma import (  # noqa: E402
     REPO,
     build,
     is_out_of_memory,
-    limit_address_space,
+    prepare_run,
     peak_step_mb,
     per_length,
-    provenance,
+    results_header,
     synthetic_dictionary,
     time_generation,
     timed_step,
     train_step,
     training_sample,
+    versions_line,
     write_json,
     zero_grad,
 )
-
-import fairseq  # noqa: E402
 
 from fairseq_modattn.modules import TalkingHeadsAttention  # noqa: E402
 from fairseq_modattn.modules.tim_layer import TIMLayerBase  # noqa: E402
@@ -230,28 +227,12 @@ def get_parser():
 
 def main(argv=None):
     cfg = get_parser().parse_args(argv)
-    cfg.model_args = []
-    if cfg.quick:
-        explicit = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
-        for key, value in QUICK.items():
-            if "--" + key.replace("_", "-") not in explicit:
-                setattr(cfg, key, value)
-        cfg.model_args = QUICK_MODEL_ARGS
+    device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
     names = [BASELINE] + [n for n in MODELS if n in cfg.models and n != BASELINE]
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available; running on CPU", flush=True)
-        device = torch.device("cpu")
-    cfg.device = str(device)
-    if device.type == "cpu":
-        cfg.memory_limit_gb = limit_address_space(cfg.memory_limit_gb)
 
     d = synthetic_dictionary(cfg.dict_size)
     entries = [build(name, MODELS[name][0], CRITERION, cfg, d, d, device) for name in names]
-    print(f"fairseq {fairseq.__version__}, torch {torch.__version__}, device {device}, "
-          f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+    print(versions_line(device))
     for e in entries:
         a = e["args"]
         print(f"  {e['name']:<13} --arch {e['arch']:<38} {e['params'] / 1e6:7.3f}M params, "
@@ -260,10 +241,7 @@ def main(argv=None):
               f"({MODELS[e['name']][1]})", flush=True)
 
     results = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
-        "env": {"fairseq": fairseq.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
-        "provenance": provenance(),
+        **results_header(cfg, device),
         "models": {e["name"]: {"arch": e["arch"], "params": e["params"], "compared_as": MODELS[e["name"]][1],
                                **variant_modules(e["model"])}
                    for e in entries},

@@ -18,11 +18,21 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    fail on every checkpoint. Rather than turning the safe loader off, we allow-list
    exactly the classes fairseq itself writes into checkpoints (``FAIRSEQ_CHECKPOINT_GLOBALS``);
    any other class in a file is still refused by torch.
+
+3. fairseq 0.12 ``MultiheadAttention.forward`` hands the whole computation to
+   ``F.multi_head_attention_forward`` whenever there is no incremental state and no
+   ``static_kv``; that path returns head-AVERAGED weights even with ``need_head_weights=True``
+   and applies ``q_proj`` by its weight, not as a module. The analysis code (per-head
+   redundancy, queries) needs fairseq's own per-head path for the duration of one analysis
+   forward: ``fairseq_attention_per_head_path`` turns the fast path off for a module by setting
+   the instance flag fairseq checks (``skip_embed_dim_check``, whose only other effect is to
+   skip an input-width assert) and restores it afterwards. Nothing global is changed.
 """
 
 import argparse
 import inspect
 import logging
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -81,3 +91,21 @@ if getattr(_FAIRSEQ_BATCH_BY_SIZE, "__module__", "") != __name__ and _drops_last
 FAIRSEQ_CHECKPOINT_GLOBALS = [argparse.Namespace]
 if hasattr(torch.serialization, "add_safe_globals"):
     torch.serialization.add_safe_globals(FAIRSEQ_CHECKPOINT_GLOBALS)
+
+
+# ------------------------------------------------------------------ 3. per-head attention weights
+@contextmanager
+def fairseq_attention_per_head_path(module):
+    """Within the block, ``module`` (a fairseq ``MultiheadAttention``) takes fairseq's own
+    implementation, which honours ``need_head_weights`` (fix 3 in the module docstring)."""
+    from fairseq.modules import MultiheadAttention
+
+    if not isinstance(module, MultiheadAttention) or not hasattr(module, "skip_embed_dim_check"):
+        yield module
+        return
+    saved = module.skip_embed_dim_check
+    module.skip_embed_dim_check = True
+    try:
+        yield module
+    finally:
+        module.skip_embed_dim_check = saved

@@ -91,3 +91,48 @@ def multi30k_bin(multi30k_dir, tmp_path_factory) -> Path:
         "--destdir", destdir, "--joined-dictionary", "--workers", "1",
     ])
     return destdir
+
+
+# Tiny models of every family, for the analysis tests: 2+2 layers (TIM: 4+2) of width 64 with
+# 4 heads, each trained for a few updates by the real fairseq-train.
+_TINY_TRANSFORMER = [
+    "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+    "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+]
+TINY_MODELS = {
+    "transformer": ["--arch", "transformer", *_TINY_TRANSFORMER],
+    "dma": ["--arch", "dma_transformer_iwslt_de_en_tiny", *_TINY_TRANSFORMER, "--dma-anneal-rate", "0.05",
+            "--criterion", "label_smoothed_cross_entropy_with_aux"],
+    "tim": ["--arch", "tim_transformer_iwslt_de_en", *_TINY_TRANSFORMER, "--encoder-layers", "4",
+            "--tim-decoder-layers", "1"],
+    "rim": ["--arch", "rim_lstm_iwslt_de_en", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+            "--decoder-hidden-size", "64", "--decoder-out-embed-dim", "64", "--rim-size", "16",
+            "--rim-input-key-size", "16", "--rim-input-value-size", "64", "--rim-comm-key-size", "16",
+            "--rim-comm-value-size", "16"],
+}
+
+
+def tiny_train_args(family: str, epoch_checkpoints: bool = False):
+    """fairseq-train flags (without data and --save-dir) of the tiny model of FAMILY."""
+    args = [
+        "--user-dir", PLUGIN, "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--optimizer", "adam", "--lr", "5e-4", "--dropout", "0.1", "--max-tokens", "1000",
+        "--log-format", "simple", "--no-progress-bar", "--cpu", "--seed", "7", "--num-workers", "0",
+    ]
+    if not epoch_checkpoints:
+        args.append("--no-epoch-checkpoints")
+    return args + TINY_MODELS[family]  # a later --criterion overrides the first
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(multi30k_bin, tmp_path_factory):
+    """{family: checkpoint_last.pt} of tiny transformer, DMA, TIM and RIM-LSTM models (12 updates)."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    paths = {}
+    for family in TINY_MODELS:
+        save = root / family
+        run_cli([fairseq_cli("fairseq-train"), multi30k_bin, *tiny_train_args(family), "--max-update", "12",
+                 "--save-dir", save])
+        paths[family] = save / "checkpoint_last.pt"
+    return paths

@@ -1,0 +1,217 @@
+"""Finding, averaging and atomically saving fairseq checkpoints.
+
+The paper reports BLEU on "the average of the last 5 epoch checkpoints" (DESIGN.md,
+"Evaluation definitions"). fairseq's own ``scripts/average_checkpoints.py`` is not part of the
+pip package, so this module provides the same selection rules (``checkpointEPOCH.pt`` and
+``checkpoint_EPOCH_UPDATES.pt``, the last N, an optional upper bound) and the same arithmetic
+(element-wise mean of the model parameters), with three differences:
+
+* files are read with torch's safe loader (``weights_only=True``); ``fairseq_modattn.compat``
+  allow-lists the one class fairseq writes into checkpoints, anything else is refused;
+* parameters are summed in float64 and cast back, and integer buffers must agree across the
+  checkpoints instead of being integer-divided;
+* the result is written to a temporary file and renamed, so a crash never leaves half a file.
+"""
+
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from . import AnalysisError
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, os.PathLike]
+
+_EPOCH_NAME = re.compile(r"^checkpoint(\d+)\.pt$")
+_UPDATE_NAME = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")
+
+
+# ------------------------------------------------------------------ selection
+def _numbered_checkpoints(directory: Path, by_update: bool) -> Dict[int, Path]:
+    """{epoch or update number: path} of the fairseq-named checkpoints in DIRECTORY."""
+    pattern, group = (_UPDATE_NAME, 2) if by_update else (_EPOCH_NAME, 1)
+    found = {}
+    for entry in directory.iterdir():
+        match = pattern.match(entry.name)
+        if match and entry.is_file():
+            found[int(match.group(group))] = entry
+    return found
+
+
+def find_checkpoints(
+    directory: PathLike,
+    num_epoch_checkpoints: Optional[int] = None,
+    num_update_checkpoints: Optional[int] = None,
+    upper_bound: Optional[int] = None,
+    allow_fewer: bool = False,
+) -> List[Path]:
+    """The last N epoch (``checkpointEPOCH.pt``) or update (``checkpoint_EPOCH_UPDATES.pt``)
+    checkpoints of a fairseq save dir, oldest first.
+
+    Exactly one of ``num_epoch_checkpoints`` / ``num_update_checkpoints`` must be given, as in
+    fairseq's ``average_checkpoints.py``. ``upper_bound`` ignores checkpoints whose epoch (or
+    update) number is larger, to average e.g. "the 5 epochs up to epoch 40". Finding fewer than
+    N is an error (averaging fewer models than the paper's recipe silently changes the
+    result) unless ``allow_fewer``, which only warns; finding none is always an error.
+    """
+    if (num_epoch_checkpoints is None) == (num_update_checkpoints is None):
+        raise AnalysisError("give exactly one of num_epoch_checkpoints / num_update_checkpoints")
+    by_update = num_update_checkpoints is not None
+    wanted = num_update_checkpoints if by_update else num_epoch_checkpoints
+    kind = "update" if by_update else "epoch"
+    if wanted < 1:
+        raise AnalysisError(f"the number of {kind} checkpoints must be >= 1, got {wanted}")
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AnalysisError(f"checkpoint directory {directory} does not exist or is not a directory")
+
+    found = _numbered_checkpoints(directory, by_update)
+    if upper_bound is not None:
+        found = {n: p for n, p in found.items() if n <= upper_bound}
+    chosen = [found[n] for n in sorted(found)[-wanted:]]
+    bound = f" with {kind} <= {upper_bound}" if upper_bound is not None else ""
+    names = ", ".join(p.name for p in chosen) or "none"
+    pattern = "checkpoint_EPOCH_UPDATES.pt" if by_update else "checkpointEPOCH.pt"
+    if not chosen:
+        raise AnalysisError(f"no {kind} checkpoints ({pattern}){bound} in {directory}")
+    if len(chosen) < wanted:
+        message = f"need the last {wanted} {kind} checkpoints{bound} in {directory} but found {len(chosen)}: {names}"
+        if not allow_fewer:
+            raise AnalysisError(message)
+        logger.warning("%s; averaging those %d", message, len(chosen))
+    return chosen
+
+
+# ------------------------------------------------------------------ averaging
+def load_checkpoint_safely(path: PathLike) -> dict:
+    """``torch.load(path, weights_only=True)`` on CPU, every failure turned into an AnalysisError.
+
+    ``fairseq_modattn.compat`` is imported first: it allow-lists ``argparse.Namespace`` (fairseq's
+    legacy model args), the only non-tensor class in a fairseq checkpoint. Files holding any
+    other class are refused, exactly as torch's safe loader refuses them.
+    """
+    import fairseq_modattn.compat  # noqa: F401  (the allow-list)
+
+    path = Path(path)
+    if not path.is_file():
+        raise AnalysisError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if refused:
+            raise AnalysisError(
+                f"cannot load checkpoint {path} with torch.load(weights_only=True): it holds the class "
+                f"{refused.group(1)}, which fairseq does not write into checkpoints; refused as unsafe") from e
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        raise AnalysisError(f"cannot load checkpoint {path} with torch.load(weights_only=True): "
+                            f"{type(e).__name__}: {first_line}") from e
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise AnalysisError(f"{path} is not a fairseq checkpoint: expected a dict with a 'model' state dict")
+    return state
+
+
+def _layout(model: Dict[str, object]) -> Dict[str, object]:
+    """What every other checkpoint must match: (shape, dtype) of floating tensors, the value of
+    anything else (non-floating tensors are copied: they must be equal, not just alike)."""
+    return {
+        key: ((tuple(v.shape), v.dtype) if v.is_floating_point() else v.detach().clone())
+        if torch.is_tensor(v) else v
+        for key, v in model.items()
+    }
+
+
+def _check_same_layout(reference: Dict[str, object], model: Dict[str, object], path: Path, first: Path):
+    """Same keys, floating tensors of the same shape and dtype, equal everything else."""
+    missing, extra = sorted(set(reference) - set(model)), sorted(set(model) - set(reference))
+    if missing or extra:
+        key = (missing or extra)[0]
+        where = f"missing from {path}" if missing else f"in {path} but not in {first}"
+        raise AnalysisError(f"model key {key!r} is {where}: checkpoints of different models cannot be averaged")
+    for key, value in model.items():
+        ref = reference[key]
+        if isinstance(ref, tuple):  # a floating tensor's (shape, dtype)
+            if not torch.is_tensor(value) or (tuple(value.shape), value.dtype) != ref:
+                got = (tuple(value.shape), value.dtype) if torch.is_tensor(value) else type(value).__name__
+                raise AnalysisError(f"model key {key!r} is {got} in {path} but {ref} in {first}")
+        elif torch.is_tensor(ref):
+            if not torch.is_tensor(value) or value.shape != ref.shape or not torch.equal(value, ref):
+                raise AnalysisError(f"non-floating model tensor {key!r} differs between {first} and {path}; "
+                                    "only floating-point parameters are averaged, the rest must be equal")
+        elif value != ref:
+            raise AnalysisError(f"model entry {key!r} differs between {first} and {path}")
+
+
+def average_checkpoints(paths: Sequence[PathLike]) -> dict:
+    """The last checkpoint's dict with its ``model`` replaced by the element-wise mean of all
+    the checkpoints' floating-point tensors (what fairseq's ``average_checkpoints.py`` writes).
+
+    The mean is accumulated in float64 and cast back to each tensor's dtype, so averaging fp16
+    or many fp32 models loses no precision. Non-floating tensors (step counters, index buffers)
+    must be identical in every checkpoint and are kept. Only one checkpoint and the running sum
+    are held in memory at a time.
+    """
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise AnalysisError("no checkpoints to average")
+    first = paths[0]
+    layout: Dict[str, object] = {}
+    sums: Dict[str, torch.Tensor] = {}
+    state: dict = {}
+    for index, path in enumerate(paths):
+        state = load_checkpoint_safely(path)
+        model = state["model"]
+        if index == 0:
+            layout = _layout(model)
+        else:
+            _check_same_layout(layout, model, path, first)
+        for key, value in model.items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                if key in sums:
+                    sums[key].add_(value.to(torch.float64))
+                else:
+                    sums[key] = value.to(torch.float64, copy=True)
+        del model
+    averaged = {}
+    for key, value in state["model"].items():
+        if key in sums:
+            averaged[key] = sums.pop(key).div_(len(paths)).to(value.dtype)
+        else:
+            averaged[key] = value
+    state["model"] = averaged
+    return state
+
+
+# ------------------------------------------------------------------ saving
+def atomic_write(path: PathLike, write: Callable[[str], None]) -> Path:
+    """Create PATH by ``write(temporary_name)`` on a temporary file in PATH's folder, then
+    ``os.replace``: readers see the old file or the complete new one, never half of it, and a
+    failed write leaves nothing behind. Parent folders are created; the file gets the usual
+    umask-based permissions (not mkstemp's 0600)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp_name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)
+        os.replace(tmp_name, path)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+    return path
+
+
+def save_checkpoint_atomically(state: dict, path: PathLike) -> Path:
+    """``torch.save`` STATE to PATH atomically (see :func:`atomic_write`), so a later
+    ``fairseq-generate`` never reads a half-written checkpoint."""
+    return atomic_write(path, lambda tmp_name: torch.save(state, tmp_name))

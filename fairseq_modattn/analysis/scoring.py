@@ -1,0 +1,142 @@
+"""BLEU the way the paper reports it (DESIGN.md, "Evaluation definitions").
+
+* tokenized BLEU as fairseq prints it: ``fairseq-generate``'s ``BLEU4 = ...`` line, or
+  :func:`tokenized_bleu`, which runs fairseq's own scorer exactly as ``fairseq-score`` does;
+* compound-split BLEU (WMT14 en-de): :func:`compound_split` on hypotheses and references, then
+  :func:`tokenized_bleu`; this is fairseq's ``scripts/compound_split_bleu.sh``, which the pip
+  package does not ship;
+* detokenized sacreBLEU with its signature: :func:`detokenize` (sacremoses) on the
+  hypotheses, then :func:`detok_sacrebleu`.
+
+:func:`parse_generate_output` reads ``fairseq-generate``'s stdout into a :class:`GenerateResult`.
+"""
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import AnalysisError
+
+_COMPOUND = re.compile(r"(\S)-(\S)")
+_ID_LINE = re.compile(r"^([STHD])-(\d+)\t(.*)$")
+_BLEU_LINE = re.compile(r"^Generate (\S+) with beam=(\d+): .*?BLEU\d* = (-?[\d.]+)")
+
+
+def compound_split(line: str) -> str:
+    """Split hyphenated compounds as fairseq's ``compound_split_bleu.sh`` does before scoring
+    WMT14 en-de: Perl ``s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g``.
+
+    The substitution scans left to right and matches do not overlap (Python's ``re.sub`` has the
+    same semantics), so the character after a hyphen, once consumed, cannot start the next
+    match: ``a-b-c`` becomes ``a ##AT##-##AT## b-c``, not a full split (the Perl script gives
+    the same string); only one-character pieces between two hyphens are affected, so
+    ``state-of-the-art`` is split at every hyphen. A hyphen already Moses-split as ``@-@`` is surrounded by ``@``, which is
+    non-space, so ``well @-@ known`` becomes ``well @ ##AT##-##AT## @ known``. A hyphen next to
+    a space or the line's ends (``- a``, ``a -``) is left alone.
+    """
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+
+
+@dataclass
+class GenerateResult:
+    """What ``fairseq-generate`` printed, keyed by sentence id (its index in the data-bin split).
+
+    ``hypotheses`` and ``detokenized`` hold the text of the ``H-`` and ``D-`` lines,
+    ``scores`` the ``H-`` line's score; ``bleu``/``bleu_line`` come from the final
+    ``Generate SUBSET with beam=N: BLEU4 = ...`` line (None when it is absent, e.g. a split
+    without targets).
+    """
+
+    sources: Dict[int, str] = field(default_factory=dict)
+    targets: Dict[int, str] = field(default_factory=dict)
+    hypotheses: Dict[int, str] = field(default_factory=dict)
+    scores: Dict[int, float] = field(default_factory=dict)
+    detokenized: Dict[int, str] = field(default_factory=dict)
+    bleu: Optional[float] = None
+    bleu_line: Optional[str] = None
+
+
+def _store(table: Dict[int, str], kind: str, sentence_id: int, text: str, number: int):
+    if sentence_id in table:
+        raise AnalysisError(f"fairseq-generate output line {number}: {kind}-{sentence_id} appears twice "
+                            "(one hypothesis per sentence expected: was --nbest > 1 or were outputs concatenated?)")
+    table[sentence_id] = text
+
+
+def parse_generate_output(text: str) -> GenerateResult:
+    """Parse ``fairseq-generate``'s stdout (``S-``, ``T-``, ``H-``, ``D-`` lines and the BLEU line).
+
+    Other lines (``P-`` scores, log lines) are ignored. An id seen twice for the same kind of
+    line is an AnalysisError: it would silently make one sentence count twice in BLEU.
+    """
+    result = GenerateResult()
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _ID_LINE.match(line)
+        if match:
+            kind, sentence_id, rest = match.group(1), int(match.group(2)), match.group(3)
+            if kind in "HD":
+                score, _, rest = rest.partition("\t")
+                try:
+                    value = float(score)
+                except ValueError:
+                    raise AnalysisError(f"fairseq-generate output line {number}: expected "
+                                        f"'{kind}-ID<tab>SCORE<tab>TEXT', got {line[:200]!r}") from None
+                if kind == "H":
+                    result.scores[sentence_id] = value
+            table = {"S": result.sources, "T": result.targets, "H": result.hypotheses,
+                     "D": result.detokenized}[kind]
+            _store(table, kind, sentence_id, rest, number)
+            continue
+        match = _BLEU_LINE.match(line)
+        if match:
+            result.bleu, result.bleu_line = float(match.group(3)), line.strip()
+    return result
+
+
+def _check_pairs(hyps: Sequence[str], refs: Sequence[str]):
+    if len(hyps) != len(refs):
+        raise AnalysisError(f"{len(hyps)} hypotheses but {len(refs)} references: BLEU needs one reference per hypothesis")
+    if not hyps:
+        raise AnalysisError("no sentences to score")
+
+
+def tokenized_bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
+    """Corpus BLEU-4 of whitespace-tokenized lines with fairseq's scorer, as ``fairseq-score``
+    computes it (a fresh ``Dictionary``, ``encode_line`` on both sides, ``bleu.Scorer``), so
+    the value equals what ``fairseq-score --sys H --ref R`` prints, before its rounding to 2
+    decimals. Used for compound-split BLEU, which fairseq computes this way."""
+    from fairseq.data.dictionary import Dictionary
+    from fairseq.scoring import bleu
+
+    _check_pairs(hyps, refs)
+    vocab = Dictionary()
+    scorer = bleu.Scorer(bleu.BleuConfig(pad=vocab.pad(), eos=vocab.eos(), unk=vocab.unk()))
+    for hyp, ref in zip(hyps, refs):
+        scorer.add(vocab.encode_line(ref), vocab.encode_line(hyp))
+    return float(scorer.score(order=4))
+
+
+def detok_sacrebleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a") -> Tuple[float, str]:
+    """(corpus sacreBLEU, its signature) of detokenized hypotheses against one reference each.
+
+    The signature (``nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:...``) is what
+    makes a sacreBLEU number comparable, so it is always returned with the score.
+    """
+    from sacrebleu.metrics import BLEU
+
+    _check_pairs(hyps, refs)
+    try:
+        metric = BLEU(tokenize=tokenize)
+    except Exception as e:
+        raise AnalysisError(f"sacrebleu rejects tokenize={tokenize!r}: {e}") from e
+    score = metric.corpus_score(list(hyps), [list(refs)])
+    return float(score.score), str(metric.get_signature())
+
+
+def detokenize(lines: Sequence[str], lang: str) -> List[str]:
+    """Moses-detokenize tokenized lines (fairseq's ``H-``/``T-`` text after ``--remove-bpe``),
+    undoing the ``sacremoses`` tokenization the data recipes apply, for sacreBLEU."""
+    from sacremoses import MosesDetokenizer
+
+    detok = MosesDetokenizer(lang=lang)
+    return [detok.detokenize(line.split()) for line in lines]

@@ -1,0 +1,455 @@
+"""``fairseq-modattn average`` and ``fairseq-modattn evaluate``: the paper's evaluation protocol.
+
+``average`` is fairseq's ``scripts/average_checkpoints.py`` (not in the pip package) with the
+same flags. ``evaluate`` does what DESIGN.md's "Evaluation definitions" ask for in one command:
+average the last N epoch checkpoints, run the real ``fairseq-generate`` (beam 5,
+``--remove-bpe``) on a split, check that every sentence of the split was translated (fairseq
+main silently drops batches, DESIGN.md), and report fairseq's tokenized BLEU, detokenized
+sacreBLEU with its signature and, for WMT14, compound-split BLEU, in a JSON file.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..analysis import AnalysisError
+from ..analysis import checkpoints as ckpt
+from ..analysis import scoring
+
+PLUGIN_DIR = Path(__file__).resolve().parents[1]
+
+# Flags of fairseq-generate that this command sets itself, or that would move the hypotheses
+# out of its stdout; passing them after "--" would silently change what is evaluated.
+RESERVED_GENERATE_FLAGS = {
+    "--path": "choose checkpoints with --checkpoint-dir/--checkpoints/--path",
+    "--gen-subset": "use --subset",
+    "--results-path": "the output is always saved to WORK_DIR/generate-SUBSET.txt",
+    "--user-dir": "the plugin directory is always passed",
+}
+
+
+# ------------------------------------------------------------------ average
+def average_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fairseq-modattn average",
+        description="Average the parameters of fairseq checkpoints (fairseq's scripts/average_checkpoints.py).",
+    )
+    p.add_argument("--inputs", nargs="+", required=True, metavar="PATH",
+                   help="checkpoint files to average, or ONE directory together with "
+                        "--num-epoch-checkpoints / --num-update-checkpoints")
+    p.add_argument("--output", required=True, metavar="FILE",
+                   help="where to write the averaged checkpoint (written atomically)")
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
+                   help="average the last N checkpointEPOCH.pt files of the --inputs directory")
+    n.add_argument("--num-update-checkpoints", type=int, metavar="N",
+                   help="average the last N checkpoint_EPOCH_UPDATES.pt files of the --inputs directory")
+    p.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
+                   help="only consider checkpoints with epoch (or update, with --num-update-checkpoints) <= K")
+    return p
+
+
+def average(argv: List[str]) -> int:
+    """``fairseq-modattn average``: exit 0 on success, 1 on bad input, 2 on usage errors."""
+    parser = average_parser()
+    args = parser.parse_args(argv)
+    try:
+        paths = _average_inputs(args)
+        print(f"averaging {len(paths)} checkpoint(s):")
+        for path in paths:
+            print(f"  {path}")
+        ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(paths), args.output)
+        print(f"wrote {args.output}")
+    except AnalysisError as e:
+        print(f"fairseq-modattn average: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _average_inputs(args) -> List[Path]:
+    """The files ``average`` reads, by fairseq's rules: a directory and N, or explicit files."""
+    counted = args.num_epoch_checkpoints is not None or args.num_update_checkpoints is not None
+    if counted:
+        if len(args.inputs) != 1 or not Path(args.inputs[0]).is_dir():
+            raise AnalysisError("--num-epoch-checkpoints/--num-update-checkpoints need --inputs to be one "
+                                f"existing directory, got {' '.join(args.inputs)}")
+        return ckpt.find_checkpoints(args.inputs[0], args.num_epoch_checkpoints, args.num_update_checkpoints,
+                                     args.checkpoint_upper_bound)
+    if args.checkpoint_upper_bound is not None:
+        raise AnalysisError("--checkpoint-upper-bound needs --num-epoch-checkpoints or --num-update-checkpoints")
+    paths = [Path(p) for p in args.inputs]
+    for path in paths:
+        if path.is_dir():
+            raise AnalysisError(f"--inputs {path} is a directory: give --num-epoch-checkpoints or "
+                                "--num-update-checkpoints, or list checkpoint files")
+    return paths
+
+
+# ------------------------------------------------------------------ the data-bin split
+def _split_prefixes(data: Path, subset: str, src: Optional[str], tgt: Optional[str]) -> Tuple[List[Path], str, str]:
+    """(source-side index prefixes of SUBSET, SUBSET1, ..., source lang, target lang).
+
+    fairseq's translation task loads ``SUBSET``, ``SUBSET1``, ``SUBSET2``... and concatenates
+    them, from ``SUBSET.SRC-TGT.SRC`` or the reverse-named ``SUBSET.TGT-SRC.SRC``; the
+    languages, when not given, are read from those file names (only one pair may be present).
+    """
+    if not data.is_dir():
+        raise AnalysisError(f"data-bin directory {data} does not exist")
+    if (src is None) != (tgt is None):
+        raise AnalysisError("give both --source-lang and --target-lang, or neither")
+    if src is None:
+        pairs = set()
+        for idx in data.glob(f"{subset}.*-*.*.idx"):
+            match = re.fullmatch(rf"{re.escape(subset)}\.([^.\-]+)-([^.\-]+)\.([^.]+)\.idx", idx.name)
+            if match and match.group(3) in match.group(1, 2):
+                pairs.add(match.group(1, 2))
+        if not pairs:
+            raise AnalysisError(f"no {subset}.SRC-TGT.SRC.idx files in {data}: is --subset {subset} binarised there?")
+        if len(pairs) > 1:
+            found = ", ".join(sorted(f"{a}-{b}" for a, b in pairs))
+            raise AnalysisError(f"{data} holds several language pairs for {subset} ({found}): "
+                                "give --source-lang and --target-lang")
+        src, tgt = pairs.pop()
+    prefixes = []
+    for k in range(1000):
+        name = subset + (str(k) if k else "")
+        found = [data / f"{name}.{a}-{b}.{src}" for a, b in ((src, tgt), (tgt, src))
+                 if (data / f"{name}.{a}-{b}.{src}.idx").exists()]
+        if not found:
+            break
+        prefixes.append(found[0])
+    if not prefixes:
+        raise AnalysisError(f"no {subset}.{src}-{tgt}.{src}.idx (or {subset}.{tgt}-{src}.{src}.idx) in {data}")
+    return prefixes, src, tgt
+
+
+def split_size(data, subset: str, source_lang: Optional[str] = None,
+               target_lang: Optional[str] = None) -> Tuple[int, str, str]:
+    """(number of sentences in SUBSET of the data-bin DATA, source lang, target lang), read with
+    fairseq's own indexed-dataset loader. An empty or unreadable split is an AnalysisError."""
+    from fairseq.data import data_utils
+
+    data = Path(str(data).split(os.pathsep)[0])  # fairseq reads evaluation splits from the first shard
+    prefixes, src, tgt = _split_prefixes(data, subset, source_lang, target_lang)
+    total = 0
+    for prefix in prefixes:
+        if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.bin").stat().st_size == 0:
+            continue  # no sentences; fairseq's MMapIndexedDataset cannot mmap an empty file
+        dataset = data_utils.load_indexed_dataset(str(prefix), None)
+        if dataset is None:
+            raise AnalysisError(f"fairseq cannot read the indexed dataset {prefix}.idx/.bin")
+        total += len(dataset)
+    if total == 0:
+        raise AnalysisError(f"split {subset} of {data} is empty ({prefixes[0]}.idx has no sentences)")
+    return total, src, tgt
+
+
+# ------------------------------------------------------------------ evaluation
+def _fairseq_generate() -> str:
+    """The ``fairseq-generate`` console script of the running interpreter's environment."""
+    beside = Path(sys.executable).parent / "fairseq-generate"
+    found = str(beside) if beside.exists() else shutil.which("fairseq-generate")
+    if not found:
+        raise AnalysisError(f"fairseq-generate not found next to {sys.executable} nor on PATH: is fairseq installed?")
+    return found
+
+
+def _check_extra_args(extra: Sequence[str]):
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag in RESERVED_GENERATE_FLAGS:
+            raise AnalysisError(f"extra fairseq-generate argument {flag} is not allowed: {RESERVED_GENERATE_FLAGS[flag]}")
+
+
+def _read_references(path: Path, expected: int, subset: str) -> List[str]:
+    if not Path(path).is_file():
+        raise AnalysisError(f"--references {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\r\n") for line in f]
+    if len(lines) != expected:
+        raise AnalysisError(f"--references {path} has {len(lines)} lines but split {subset} has {expected} "
+                            "sentences: expected one raw (detokenized) reference per sentence, in data-bin order")
+    return lines
+
+
+def _check_every_sentence_translated(result: scoring.GenerateResult, expected: int, subset: str, output: Path):
+    """Fail loudly when fairseq-generate did not translate each sentence of the split once:
+    BLEU over a subset (fairseq main drops batches; ``--skip-invalid-size-inputs-valid-test``
+    drops long sentences) is not the split's BLEU."""
+    ids = set(result.hypotheses)
+    if len(ids) == expected and ids == set(range(expected)):
+        return
+    missing = sorted(set(range(expected)) - ids)
+    hint = f" (missing ids include {', '.join(map(str, missing[:10]))})" if missing else ""
+    raise AnalysisError(
+        f"fairseq-generate translated {len(ids)} of the {expected} sentences of split {subset}{hint}; "
+        "BLEU over a subset of the split is not comparable (sentences are dropped by "
+        "--skip-invalid-size-inputs-valid-test / max positions, or by fairseq's dropped last batch, "
+        f"see DESIGN.md); full output in {output}")
+
+
+def _run_generate(command: List[str], output: Path, log: Callable[[str], None]) -> str:
+    log(f"running: {shlex.join(command)}")
+    proc = subprocess.run(command, capture_output=True, text=True)
+    output.write_text(proc.stdout, encoding="utf-8")
+    output.with_suffix(".log").write_text(proc.stderr, encoding="utf-8")
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        raise AnalysisError(f"fairseq-generate exited with status {proc.returncode}; last lines:\n{tail}")
+    return proc.stdout
+
+
+def _versions() -> Dict[str, str]:
+    import fairseq
+    import sacrebleu
+    import torch
+
+    return {"fairseq": fairseq.__version__, "torch": torch.__version__, "sacrebleu": sacrebleu.__version__,
+            "python": sys.version.split()[0]}
+
+
+def evaluate_checkpoints(
+    data,
+    checkpoints: List[Path],
+    *,
+    subset: str = "test",
+    beam: int = 5,
+    batch_size: Optional[int] = 128,
+    max_tokens: Optional[int] = None,
+    lenpen: float = 1.0,
+    compound_split: bool = False,
+    references: Optional[Path] = None,
+    sacrebleu_tokenize: Optional[str] = None,
+    cpu: bool = False,
+    work_dir,
+    extra_generate_args: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+    source_lang: Optional[str] = None,
+    target_lang: Optional[str] = None,
+) -> dict:
+    """Average CHECKPOINTS (when more than one), translate SUBSET of DATA with the real
+    ``fairseq-generate``, check every sentence was translated, and return the results dict
+    (the JSON that ``fairseq-modattn evaluate`` writes).
+
+    ``work_dir`` receives ``averaged.pt`` and ``generate-SUBSET.txt`` (fairseq-generate's stdout;
+    its stderr goes to ``generate-SUBSET.log``). Nothing is written before the inputs are checked.
+    """
+    import torch
+
+    checkpoints = [Path(c) for c in checkpoints]
+    if not checkpoints:
+        raise AnalysisError("no checkpoints to evaluate")
+    for path in checkpoints:
+        if not path.is_file():
+            raise AnalysisError(f"checkpoint {path} does not exist")
+    _check_extra_args(extra_generate_args)
+    expected, src, tgt = split_size(data, subset, source_lang, target_lang)
+    raw_refs = _read_references(references, expected, subset) if references is not None else None
+    tokenize = sacrebleu_tokenize or ("zh" if tgt == "zh" else "13a")
+    generate = _fairseq_generate()
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+
+    if len(checkpoints) > 1:
+        log(f"averaging {len(checkpoints)} checkpoints: {', '.join(str(c) for c in checkpoints)}")
+        model_path = ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(checkpoints), work_dir / "averaged.pt")
+    else:
+        model_path = checkpoints[0]
+    data = os.pathsep.join(str(Path(part).resolve()) for part in str(data).split(os.pathsep))
+    command = [generate, data, "--user-dir", str(PLUGIN_DIR), "--path", str(Path(model_path).resolve()),
+               "--gen-subset", subset, "--beam", str(beam), "--remove-bpe", "--lenpen", str(lenpen)]
+    if batch_size is not None:
+        command += ["--batch-size", str(batch_size)]
+    if max_tokens is not None:
+        command += ["--max-tokens", str(max_tokens)]
+    if source_lang is not None:
+        command += ["--source-lang", src, "--target-lang", tgt]
+    if cpu or not torch.cuda.is_available():
+        command.append("--cpu")
+    command += [str(a) for a in extra_generate_args]
+
+    log(f"generating {expected} sentences of {subset} ({src}-{tgt}) with beam {beam}")
+    output = work_dir / f"generate-{subset}.txt"
+    result = scoring.parse_generate_output(_run_generate(command, output, log))
+    _check_every_sentence_translated(result, expected, subset, output)
+    if result.bleu is None:
+        raise AnalysisError(f"fairseq-generate printed no 'Generate {subset} with beam=...: BLEU4' line "
+                            f"(does the data-bin hold the {tgt} side of {subset}?); output in {output}")
+    if len(result.targets) != expected and (raw_refs is None or compound_split):
+        raise AnalysisError(f"fairseq-generate printed {len(result.targets)} T- (reference) lines for "
+                            f"{expected} sentences; output in {output}")
+
+    log("scoring")
+    ids = range(expected)
+    hyps = [result.hypotheses[i] for i in ids]
+    detok_hyps = scoring.detokenize(hyps, tgt)
+    if raw_refs is None:
+        refs_for_sacrebleu = scoring.detokenize([result.targets[i] for i in ids], tgt)
+        reference_kind = "moses-detokenized T- lines of fairseq-generate"
+    else:
+        refs_for_sacrebleu, reference_kind = raw_refs, f"file {Path(references).resolve()}"
+    sacre, signature = scoring.detok_sacrebleu(detok_hyps, refs_for_sacrebleu, tokenize)
+    split_bleu = None
+    if compound_split:
+        split_bleu = scoring.tokenized_bleu([scoring.compound_split(h) for h in hyps],
+                                            [scoring.compound_split(result.targets[i]) for i in ids])
+    return {
+        "data": data,
+        "subset": subset,
+        "source_lang": src,
+        "target_lang": tgt,
+        "sentences": expected,
+        "checkpoints": [str(c.resolve()) for c in checkpoints],
+        "averaged": len(checkpoints) > 1,
+        "model_path": str(Path(model_path).resolve()),
+        "beam": beam,
+        "lenpen": lenpen,
+        "generate_command": shlex.join(command),
+        "generate_output": str(output.resolve()),
+        "bleu": result.bleu,
+        "bleu_line": result.bleu_line,
+        "sacrebleu": sacre,
+        "sacrebleu_signature": signature,
+        "sacrebleu_tokenize": tokenize,
+        "sacrebleu_references": reference_kind,
+        "compound_split_bleu": split_bleu,
+        "versions": _versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json_atomically(obj, path) -> Path:
+    """Write OBJ as indented JSON through a temporary file and a rename (never half a file)."""
+    def write(tmp_name):
+        with open(tmp_name, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+    return ckpt.atomic_write(path, write)
+
+
+def summary_table(results: dict, output: Path) -> str:
+    """A few aligned lines with what the paper tables report."""
+    names = [Path(c).name for c in results["checkpoints"]]
+    rows = [
+        ("checkpoints", f"{len(names)} {'averaged' if results['averaged'] else 'used'}: {', '.join(names)}"),
+        ("split", f"{results['subset']} ({results['source_lang']}-{results['target_lang']}), "
+                  f"{results['sentences']} sentences, all translated"),
+        ("BLEU (fairseq, tokenized)", f"{results['bleu']:.2f}"),
+        ("sacreBLEU (detokenized)", f"{results['sacrebleu']:.2f}  {results['sacrebleu_signature']}"),
+    ]
+    if results["compound_split_bleu"] is not None:
+        rows.append(("compound-split BLEU", f"{results['compound_split_bleu']:.2f}"))
+    rows.append(("results", str(output)))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+# ------------------------------------------------------------------ evaluate command
+def evaluate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fairseq-modattn evaluate",
+        usage="fairseq-modattn evaluate DATA (--checkpoint-dir DIR | --checkpoints F [F ...] | --path F) "
+              "[options] [-- extra fairseq-generate args]",
+        description="Average checkpoints, translate a data-bin split with fairseq-generate (beam 5, "
+                    "--remove-bpe), check every sentence was translated, and write tokenized BLEU, "
+                    "detokenized sacreBLEU and optionally compound-split BLEU to a JSON file. "
+                    "Arguments after '--' go to fairseq-generate unchanged (e.g. -- --max-len-b 200).",
+    )
+    p.add_argument("data", metavar="DATA", help="the fairseq data-bin directory the model was trained on")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="a fairseq --save-dir: average its last N epoch (or update) checkpoints")
+    which.add_argument("--checkpoints", nargs="+", metavar="FILE", help="average exactly these checkpoint files")
+    which.add_argument("--path", metavar="FILE", help="evaluate this one checkpoint, without averaging")
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
+                   help="with --checkpoint-dir: average the last N checkpointEPOCH.pt (default 5, the paper's)")
+    n.add_argument("--num-update-checkpoints", type=int, metavar="N",
+                   help="with --checkpoint-dir: average the last N checkpoint_EPOCH_UPDATES.pt instead")
+    p.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
+                   help="with --checkpoint-dir: ignore checkpoints after epoch (or update) K")
+    p.add_argument("--allow-fewer", action="store_true",
+                   help="with --checkpoint-dir: average the checkpoints there are when fewer than N exist (warns)")
+    p.add_argument("--subset", "--gen-subset", default="test", help="data-bin split to translate (default: test)")
+    p.add_argument("--source-lang", help="source language (default: read from the data-bin file names)")
+    p.add_argument("--target-lang", help="target language (default: read from the data-bin file names)")
+    p.add_argument("--beam", type=int, default=5, help="beam size (default: 5, the paper's)")
+    p.add_argument("--lenpen", type=float, default=1.0, help="length penalty of the beam search (default: 1.0)")
+    p.add_argument("--batch-size", type=int, default=128, help="sentences per generation batch (default: 128)")
+    p.add_argument("--max-tokens", type=int, help="tokens per generation batch (default: no limit)")
+    p.add_argument("--compound-split", action="store_true",
+                   help="also report compound-split BLEU (WMT14 en-de: hyphens as ##AT##-##AT##)")
+    p.add_argument("--references", metavar="FILE",
+                   help="raw detokenized target text, one line per sentence in data-bin order, for sacreBLEU "
+                        "(default: the Moses-detokenized T- lines of fairseq-generate)")
+    p.add_argument("--sacrebleu-tokenize", metavar="TOK",
+                   help="sacreBLEU tokenizer (default: zh when the target language is zh, else 13a)")
+    p.add_argument("--cpu", action="store_true", help="generate on CPU (also the default without CUDA)")
+    p.add_argument("--output", metavar="FILE", help="results JSON (default: WORK_DIR/results.json)")
+    p.add_argument("--work-dir", metavar="DIR",
+                   help="folder for averaged.pt and generate-SUBSET.txt (default: OUTPUT's name + '.work' next "
+                        "to --output, else evaluation/ under the checkpoint directory)")
+    return p
+
+
+def _select_checkpoints(args, parser) -> List[Path]:
+    counted = (args.num_epoch_checkpoints, args.num_update_checkpoints, args.checkpoint_upper_bound)
+    if args.checkpoint_dir is None:
+        if any(v is not None for v in counted) or args.allow_fewer:
+            parser.error("--num-epoch-checkpoints/--num-update-checkpoints/--checkpoint-upper-bound/"
+                         "--allow-fewer need --checkpoint-dir")
+        return [Path(args.path)] if args.path else [Path(c) for c in args.checkpoints]
+    epochs = args.num_epoch_checkpoints
+    if epochs is None and args.num_update_checkpoints is None:
+        epochs = 5
+    return ckpt.find_checkpoints(args.checkpoint_dir, epochs, args.num_update_checkpoints,
+                                 args.checkpoint_upper_bound, allow_fewer=args.allow_fewer)
+
+
+def _default_paths(args, checkpoints: List[Path]) -> Tuple[Path, Path]:
+    if args.work_dir:
+        work_dir = Path(args.work_dir)
+    elif args.output:
+        work_dir = Path(args.output).parent / (Path(args.output).stem + ".work")
+    elif args.checkpoint_dir:
+        work_dir = Path(args.checkpoint_dir) / "evaluation"
+    else:
+        work_dir = checkpoints[-1].parent / "evaluation"
+    output = Path(args.output) if args.output else work_dir / "results.json"
+    return work_dir, output
+
+
+def evaluate(argv: List[str]) -> int:
+    """``fairseq-modattn evaluate``: exit 0 on success, 1 on bad input or a failed check, 2 on usage errors."""
+    extra: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = evaluate_parser()
+    args = parser.parse_args(argv)
+    try:
+        checkpoints = _select_checkpoints(args, parser)
+        work_dir, output = _default_paths(args, checkpoints)
+        results = evaluate_checkpoints(
+            args.data, checkpoints, subset=args.subset, beam=args.beam, batch_size=args.batch_size,
+            max_tokens=args.max_tokens, lenpen=args.lenpen, compound_split=args.compound_split,
+            references=Path(args.references) if args.references else None,
+            sacrebleu_tokenize=args.sacrebleu_tokenize, cpu=args.cpu, work_dir=work_dir,
+            extra_generate_args=extra, log=print, source_lang=args.source_lang, target_lang=args.target_lang,
+        )
+        write_json_atomically(results, output)
+    except AnalysisError as e:
+        print(f"fairseq-modattn evaluate: error: {e}", file=sys.stderr)
+        return 1
+    print()
+    print(summary_table(results, output))
+    return 0

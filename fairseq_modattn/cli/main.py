@@ -5,6 +5,17 @@
     fairseq-modattn flags --arch ARCH --all  # every model flag of ARCH
     fairseq-modattn prepare CORPUS --raw-dir DIR --dest data-bin/NAME [...]
                                              # raw corpus -> data-bin (see prepare -h)
+    fairseq-modattn average --inputs DIR --num-epoch-checkpoints N --output FILE
+                                             # fairseq's average_checkpoints.py (see average -h)
+    fairseq-modattn evaluate DATA --checkpoint-dir DIR [...] [-- fairseq-generate args]
+                                             # average + fairseq-generate + BLEU/sacreBLEU JSON
+    fairseq-modattn redundancy DATA --path CKPT [--attention enc_self] [--output R.json]
+                                             # attention redundancy LR / HR over a split
+    fairseq-modattn plot KIND DATA --path CKPT --output FIG.png
+                                             # KIND: redundancy clusters sentence queries
+                                             #       competition rim (see plot -h)
+    fairseq-modattn ablate DATA --output-dir DIR --max-epoch N [--clusters 4 8 12] [-- train args]
+                                             # DMA cluster-count ablation: train, evaluate, table
 
 Why ``flags`` exists: ``fairseq-train --arch ARCH -h`` prints its help during its first parsing
 pass, before it adds the model's arguments (fairseq 0.12 ``options.parse_args_and_arch``), so
@@ -103,11 +114,46 @@ def prepare(argv: List[str]) -> int:
     return 0
 
 
-COMMANDS = {"flags": flags, "prepare": prepare}
+COMMANDS = {
+    "flags": flags,
+    "prepare": prepare,
+    # defined in cli/evaluate.py, imported when the command runs
+    "average": lambda argv: __import__("fairseq_modattn.cli.evaluate", fromlist=["average"]).average(argv),
+    "evaluate": lambda argv: __import__("fairseq_modattn.cli.evaluate", fromlist=["evaluate"]).evaluate(argv),
+    "redundancy": lambda argv: __import__("fairseq_modattn.cli.analyze", fromlist=["redundancy"]).redundancy(argv),
+    "plot": lambda argv: __import__("fairseq_modattn.cli.analyze", fromlist=["plot"]).plot(argv),
+    "ablate": lambda argv: __import__("fairseq_modattn.cli.ablate", fromlist=["ablate"]).ablate(argv),
+}
+
+
+def configure_logging():
+    """INFO-level logs on stderr in fairseq's format. fairseq 0.12's ``tasks/text_to_speech.py``
+    calls ``logging.basicConfig(level=DEBUG)`` when imported (importing this package imports it
+    through ``fairseq.tasks``), which would put every library's DEBUG output (matplotlib's font
+    search...) on the console; ``force`` replaces that configuration. The task's import-time
+    'Please install tensorboardX' notice concerns speech tasks only and is silenced."""
+    import logging
+
+    class CurrentStderr(logging.StreamHandler):
+        """Writes to ``sys.stderr`` as it is when a record is emitted, so a caller that swaps it
+        (pytest's capture, a notebook) never leaves the handler on a closed stream."""
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value):
+            pass
+
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, handlers=[CurrentStderr()], force=True)
+    logging.getLogger("fairseq.tasks.text_to_speech").setLevel(logging.WARNING)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    configure_logging()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -10,6 +10,7 @@ Training commands then build the model and criterion on a small synthetic joined
 (the data directory is not needed for that), which runs the family's flag validation.
 """
 
+import argparse
 import re
 import shlex
 from pathlib import Path
@@ -54,6 +55,43 @@ def test_every_family_has_examples():
         assert programs.count("fairseq-generate") >= 2, path
 
 
+def check_modattn_command(path: Path, argv):
+    """Parse a ``fairseq-modattn`` line with the subcommand's own parser (argparse exits on an
+    unknown flag); nothing is run."""
+    from fairseq_modattn import data
+    from fairseq_modattn.cli import ablate, analyze, evaluate
+
+    command, rest = argv[0], argv[1:]
+    own, extra = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
+    if rest in (["-h"], ["--help"]):
+        return
+    if command == "prepare":
+        assert rest[0] in data.RECIPES, (path, argv)
+        args = data.parse_args(rest[0], rest[1:])
+        assert str(args.dest).startswith("data-bin/"), (path, argv)
+    elif command == "evaluate":
+        evaluate.evaluate_parser().parse_args(own)
+        options.parse_args_and_arch(options.get_generation_parser(), input_args=["data-bin/x", *extra])
+    elif command == "average":
+        evaluate.average_parser().parse_args(own)
+    elif command == "redundancy":
+        analyze.redundancy_parser().parse_args(own)
+    elif command == "plot":
+        analyze.plot_parser().parse_args(own)
+    elif command == "ablate":
+        args = ablate.parser().parse_args(own)
+        ablate.validate(argparse.Namespace(**{**vars(args), "data": str(REPO)}), extra)
+    else:
+        pytest.fail(f"{path}: unexpected fairseq-modattn command {command}")
+
+
+def test_readme_analysis_commands_parse():
+    found = [argv for program, argv in commands(REPO / "README.md") if program == "fairseq-modattn"]
+    assert {argv[0] for argv in found} >= {"prepare", "average", "evaluate", "redundancy", "plot", "ablate"}
+    for argv in found:
+        check_modattn_command(REPO / "README.md", argv)
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
 def test_example_commands_parse_and_build(path):
     d = synthetic_dictionary()
@@ -67,11 +105,7 @@ def test_example_commands_parse_and_build(path):
             criterions.build_criterion(args, task)
             assert type(model).__module__.startswith("fairseq_modattn."), (argv, type(model))
         elif program == "fairseq-modattn":
-            from fairseq_modattn import data
-
-            assert argv and argv[0] == "prepare" and argv[1] in data.RECIPES, (path, argv)
-            args = data.parse_args(argv[1], argv[2:])  # argparse exits on an unknown flag
-            assert str(args.dest).startswith("data-bin/"), (path, argv)
+            check_modattn_command(path, argv)
         elif program == "fairseq-generate":
             args = options.parse_args_and_arch(options.get_generation_parser(), input_args=argv)
             assert args.path.endswith("checkpoint_best.pt") and args.beam >= 4

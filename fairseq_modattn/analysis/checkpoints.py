@@ -16,12 +16,12 @@ pip package, so this module provides the same selection rules (``checkpointEPOCH
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from ..data.pipeline import atomic_path
 from . import AnalysisError
 
 logger = logging.getLogger(__name__)
@@ -190,25 +190,12 @@ def average_checkpoints(paths: Sequence[PathLike]) -> dict:
 
 # ------------------------------------------------------------------ saving
 def atomic_write(path: PathLike, write: Callable[[str], None]) -> Path:
-    """Create PATH by ``write(temporary_name)`` on a temporary file in PATH's folder, then
-    ``os.replace``: readers see the old file or the complete new one, never half of it, and a
-    failed write leaves nothing behind. Parent folders are created; the file gets the usual
-    umask-based permissions (not mkstemp's 0600)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp_name)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_name, 0o666 & ~umask)
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
-    return path
+    """Create PATH by ``write(temporary_name)`` on a temporary file beside it, then a rename
+    (``data.pipeline.atomic_path``): readers see the old file or the complete new one, never
+    half of it, and a failed write leaves nothing behind. Parent folders are created."""
+    with atomic_path(path) as tmp:
+        write(str(tmp))
+    return Path(path)
 
 
 def save_checkpoint_atomically(state: dict, path: PathLike) -> Path:

@@ -38,8 +38,6 @@ The pixel size is ``(round(width*dpi), round(height*dpi))``.  Crowded tick label
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -49,6 +47,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from ..data.pipeline import atomic_path
 from . import AnalysisError
 
 __all__ = [
@@ -164,23 +163,9 @@ def _save(fig: Figure, path, dpi: float) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise AnalysisError(f"{path}: expected a .png output path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
             fig.savefig(fh, format="png", dpi=dpi)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
     return path
 
 

@@ -196,15 +196,26 @@ def _check_every_sentence_translated(result: scoring.GenerateResult, expected: i
         f"see DESIGN.md); full output in {output}")
 
 
-def _run_generate(command: List[str], output: Path, log: Callable[[str], None]) -> str:
+def _run_generate(command: List[str], output: Path, expected: int, log: Callable[[str], None]) -> str:
+    """Run fairseq-generate with its stdout kept in OUTPUT (stderr in OUTPUT.log), logging how
+    many sentences are translated so far (every tenth of the split)."""
     log(f"running: {shlex.join(command)}")
-    proc = subprocess.run(command, capture_output=True, text=True)
-    output.write_text(proc.stdout, encoding="utf-8")
-    output.with_suffix(".log").write_text(proc.stderr, encoding="utf-8")
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        raise AnalysisError(f"fairseq-generate exited with status {proc.returncode}; last lines:\n{tail}")
-    return proc.stdout
+    lines, done, step = [], 0, max(1, expected // 10)
+    with open(output.with_suffix(".log"), "w", encoding="utf-8") as err:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("H-"):
+                done += 1
+                if done % step == 0 or done == expected:
+                    log(f"translated {done}/{expected} sentences")
+        code = proc.wait()
+    stdout = "".join(lines)
+    output.write_text(stdout, encoding="utf-8")
+    if code != 0:
+        tail = "\n".join((stdout + output.with_suffix(".log").read_text(encoding="utf-8")).strip().splitlines()[-25:])
+        raise AnalysisError(f"fairseq-generate exited with status {code}; last lines:\n{tail}")
+    return stdout
 
 
 def _versions() -> Dict[str, str]:
@@ -278,7 +289,7 @@ def evaluate_checkpoints(
 
     log(f"generating {expected} sentences of {subset} ({src}-{tgt}) with beam {beam}")
     output = work_dir / f"generate-{subset}.txt"
-    result = scoring.parse_generate_output(_run_generate(command, output, log))
+    result = scoring.parse_generate_output(_run_generate(command, output, expected, log))
     _check_every_sentence_translated(result, expected, subset, output)
     if result.bleu is None:
         raise AnalysisError(f"fairseq-generate printed no 'Generate {subset} with beam=...: BLEU4' line "

@@ -159,7 +159,9 @@ def _plot(args) -> int:
     elif args.kind == "clusters":
         clusters, where = extract.cluster_top_tokens(model, task, args.gen_subset, args.attention, args.layer, args.head,
                                                      args.top_k, args.min_count, args.max_batches)
-        plots.plot_cluster_top_tokens(clusters, args.output, title=f"top tokens per cluster: {where}", **common)
+        plots.plot_cluster_top_tokens(clusters, args.output, title=f"top tokens per cluster: {where}",
+                                      cluster_ids=list(range(1, len(clusters) + 1)),
+                                      score_label="mean p(cluster | token)", **common)
     elif args.kind == "sentence":
         s = extract.sentence_clusters(model, task, args.gen_subset, args.sentence, args.attention, args.layer, args.head)
         plots.plot_sentence_clusters(s["tokens"], s["posteriors"], s["mask"], args.output, key_tokens=s["key_tokens"],

@@ -21,6 +21,7 @@ from .capture import (
     attention_modules,
     describe_module,
     dma_posteriors,
+    dma_semantic_mask,
     forward_sample,
     query_padding_mask,
     record_attention,
@@ -158,7 +159,7 @@ def sentence_clusters(
         "tokens": q_tokens,
         "key_tokens": k_tokens,
         "posteriors": p_query.numpy(),
-        "mask": (p_query @ p_key.T).numpy(),
+        "mask": dma_semantic_mask(p_query, p_key).numpy(),
     }
 
 

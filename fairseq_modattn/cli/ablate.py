@@ -28,9 +28,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from ..analysis import AnalysisError
-from .evaluate import write_json_atomically
-
-PLUGIN_DIR = Path(__file__).resolve().parents[1]
+from .evaluate import PLUGIN_DIR, fairseq_script, write_json_atomically
 
 #: the paper's IWSLT14 training recipe (examples/iwslt14); flags after '--' override these
 DEFAULT_TRAIN_ARGS = [
@@ -124,17 +122,13 @@ def check_settings(output_dir: Path, settings: Dict):
         write_json_atomically(settings, path)
 
 
-def fairseq_train() -> str:
-    return str(Path(sys.executable).parent / "fairseq-train")
-
-
 def train(run_dir: Path, clusters: int, args, settings: Dict, log) -> None:
     """fairseq-train for one n_c (continuing from checkpoint_last.pt if there is one)."""
     done = run_dir / "train.done"
     if done.exists():
         log(f"[n_c={clusters}] already trained ({done})")
         return
-    command = [fairseq_train(), settings["data"], "--user-dir", str(PLUGIN_DIR), "--arch", args.arch,
+    command = [fairseq_script("fairseq-train"), settings["data"], "--user-dir", str(PLUGIN_DIR), "--arch", args.arch,
                "--dma-clusters", str(clusters), "--save-dir", str(run_dir / "checkpoints"),
                "--seed", str(args.seed), "--keep-last-epochs", str(args.num_epoch_checkpoints),
                *settings["train_args"]]

@@ -92,13 +92,17 @@ def _redundancy(args) -> int:
         write_json_atomically(report, args.output)
         log(f"wrote {args.output}")
     if args.plot is not None:
-        from ..analysis.plots import plot_head_redundancy
-
-        first = results[types[0]]
-        plot_head_redundancy(first.matrix_array(), first.labels, args.plot, group_size=first.heads_per_layer,
-                             title=f"head redundancy ({types[0]}), HR {first.hr:.3f}, LR {first.lr:.3f}")
+        draw_redundancy(results[types[0]], types[0], args.plot)
         log(f"wrote {args.plot}")
     return 0
+
+
+def draw_redundancy(result, attention_type: str, path: Path, **kwargs):
+    """The head-redundancy matrix of ``result`` (a RedundancyResult) as a heatmap PNG."""
+    from ..analysis.plots import plot_head_redundancy
+
+    plot_head_redundancy(result.matrix_array(), result.labels, path, group_size=result.heads_per_layer,
+                         title=f"head redundancy ({attention_type}), HR {result.hr:.3f}, LR {result.lr:.3f}", **kwargs)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -154,8 +158,7 @@ def _plot(args) -> int:
     common = {"dpi": args.dpi}
     if args.kind == "redundancy":
         r = extract.measure_redundancy(model, task, args.gen_subset, args.attention, args.max_tokens, args.max_batches, log=log)
-        plots.plot_head_redundancy(r.matrix_array(), r.labels, args.output, group_size=r.heads_per_layer,
-                                   title=f"head redundancy ({args.attention}), HR {r.hr:.3f}, LR {r.lr:.3f}", **common)
+        draw_redundancy(r, args.attention, args.output, **common)
     elif args.kind == "clusters":
         clusters, where = extract.cluster_top_tokens(model, task, args.gen_subset, args.attention, args.layer, args.head,
                                                      args.top_k, args.min_count, args.max_batches)

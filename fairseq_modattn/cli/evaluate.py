@@ -153,12 +153,13 @@ def split_size(data, subset: str, source_lang: Optional[str] = None,
 
 
 # ------------------------------------------------------------------ evaluation
-def _fairseq_generate() -> str:
-    """The ``fairseq-generate`` console script of the running interpreter's environment."""
-    beside = Path(sys.executable).parent / "fairseq-generate"
-    found = str(beside) if beside.exists() else shutil.which("fairseq-generate")
+def fairseq_script(name: str) -> str:
+    """The fairseq console script NAME (e.g. 'fairseq-generate') of the running interpreter's
+    environment, else the one on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
     if not found:
-        raise AnalysisError(f"fairseq-generate not found next to {sys.executable} nor on PATH: is fairseq installed?")
+        raise AnalysisError(f"{name} not found next to {sys.executable} nor on PATH: is fairseq installed?")
     return found
 
 
@@ -265,7 +266,7 @@ def evaluate_checkpoints(
     expected, src, tgt = split_size(data, subset, source_lang, target_lang)
     raw_refs = _read_references(references, expected, subset) if references is not None else None
     tokenize = sacrebleu_tokenize or ("zh" if tgt == "zh" else "13a")
-    generate = _fairseq_generate()
+    generate = fairseq_script("fairseq-generate")
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
 

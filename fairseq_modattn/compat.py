@@ -27,16 +27,41 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    forward: ``fairseq_attention_per_head_path`` turns the fast path off for a module by setting
    the instance flag fairseq checks (``skip_embed_dim_check``, whose only other effect is to
    skip an input-width assert) and restores it afterwards. Nothing global is changed.
+
+4. fairseq 0.12 ``distributed.utils``, the torchrun / ``torch.distributed.launch`` path
+   (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` and ``RANK`` in the environment):
+   (a) ``_infer_torch_distributed_launch_init`` sets ``device_id = rank %
+   torch.cuda.device_count()``, a ZeroDivisionError on a machine without CUDA (CPU training
+   with gloo) and the wrong device whenever a node runs fewer processes than it has GPUs;
+   we use ``LOCAL_RANK``, which torchrun sets, falling back to fairseq's formula, and 0
+   without CUDA. (b) ``infer_init_method`` returns before looking at the environment when
+   ``--distributed-world-size`` is 1, its default on a machine with one GPU or none, so
+   ``torchrun --nnodes 2`` of one-GPU machines (or any CPU run) silently trains independent
+   models that overwrite each other's checkpoints; when torchrun says ``WORLD_SIZE`` > 1 and
+   the flag was left at 1, we take the world size from torchrun (fairseq's torchrun path
+   takes it from ``WORLD_SIZE`` anyway once it is reached).
+
+5. fairseq 0.12 resumes a distributed run by loading the checkpoint on rank 0 and sending it
+   to the other ranks (``Trainer.load_checkpoint`` -> ``distributed_utils.broadcast_object``
+   -> ``_broadcast_object_slow``), which pickles the state with ``torch.save`` and unpickles it
+   with a bare ``torch.load``. Under torch >= 2.6 that load is ``weights_only=True`` and
+   refuses the omegaconf ``DictConfig`` in the state, so every rank but 0 crashes and no
+   multi-GPU or multi-node run can be resumed. The bytes are not a file: rank 0 of the same
+   job produced them a moment earlier from a checkpoint it has already loaded with the safe
+   loader (fix 2), so the receiving side unpickles them with ``weights_only=False``.
 """
 
 import argparse
 import inspect
+import io
 import logging
+import os
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 from fairseq.data import data_utils
+from fairseq.distributed import utils as distributed_utils
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +134,98 @@ def fairseq_attention_per_head_path(module):
         yield module
     finally:
         module.skip_embed_dim_check = saved
+
+
+# ------------------------------------------------------------------ 4. torchrun without CUDA
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def launched_by_torchrun() -> bool:
+    return all(key in os.environ for key in TORCHRUN_ENV)
+
+
+def torchrun_device_id(rank: int) -> int:
+    """The CUDA device of this process: torchrun's LOCAL_RANK; 0 when there is no CUDA."""
+    if "LOCAL_RANK" in os.environ:
+        local_rank = int(os.environ["LOCAL_RANK"])
+    else:
+        local_rank = rank % max(torch.cuda.device_count(), 1)
+    return local_rank if torch.cuda.device_count() > 0 else 0
+
+
+def torchrun_launch_init(cfg):
+    """fairseq's ``_infer_torch_distributed_launch_init`` with the device from LOCAL_RANK."""
+    cfg.distributed_init_method = "env://"
+    cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+    cfg.distributed_rank = int(os.environ["RANK"])
+    cfg.device_id = torchrun_device_id(cfg.distributed_rank)
+    cfg.distributed_no_spawn = True  # torchrun started the processes
+
+
+def infer_init_method_from_torchrun(cfg, force_distributed=False):
+    """fairseq's ``infer_init_method``, which also sees torchrun when the world size flag is 1."""
+    if (cfg.distributed_init_method is None and launched_by_torchrun()
+            and cfg.distributed_world_size == 1 and int(os.environ["WORLD_SIZE"]) > 1):
+        logger.info("launched by torchrun: distributed world size %s from WORLD_SIZE", os.environ["WORLD_SIZE"])
+        cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+    return _FAIRSEQ_INFER_INIT_METHOD(cfg, force_distributed)
+
+
+def _divides_by_cuda_count(launch_init) -> bool:
+    try:
+        return "% torch.cuda.device_count()" in inspect.getsource(launch_init)
+    except (OSError, TypeError):
+        return False
+
+
+def _returns_before_torchrun(infer_init_method) -> bool:
+    try:
+        source = inspect.getsource(infer_init_method)
+    except (OSError, TypeError):
+        return False
+    early, torchrun = source.find("distributed_world_size == 1"), source.find('"WORLD_SIZE"')
+    return 0 <= early < torchrun
+
+
+_FAIRSEQ_LAUNCH_INIT = getattr(distributed_utils, "_infer_torch_distributed_launch_init", None)
+_FAIRSEQ_INFER_INIT_METHOD = distributed_utils.infer_init_method
+# call_main looks both functions up as module globals of fairseq.distributed.utils at call
+# time, and the plugin is imported (while parsing --user-dir) before call_main runs.
+if _FAIRSEQ_LAUNCH_INIT is not None and _divides_by_cuda_count(_FAIRSEQ_LAUNCH_INIT):
+    distributed_utils._infer_torch_distributed_launch_init = torchrun_launch_init
+if getattr(_FAIRSEQ_INFER_INIT_METHOD, "__module__", "") != __name__ and _returns_before_torchrun(
+        _FAIRSEQ_INFER_INIT_METHOD):
+    distributed_utils.infer_init_method = infer_init_method_from_torchrun
+
+
+# ------------------------------------------------------------------ 5. resume on several ranks
+def broadcast_pickled_object(obj, src_rank, group, dist_device):
+    """fairseq's ``_broadcast_object_slow`` (fix 5): rank ``src_rank`` pickles ``obj`` and
+    broadcasts length and bytes; every other rank unpickles them without the file loader's
+    ``weights_only`` restriction, as they come from this job's own rank."""
+    if distributed_utils.get_rank(group) == src_rank:
+        pickled = io.BytesIO()
+        torch.save(obj, pickled)
+        payload = torch.ByteTensor(pickled.getbuffer()).to(dist_device)
+        distributed_utils.broadcast(torch.LongTensor([payload.numel()]).to(dist_device), src=src_rank, group=group)
+        distributed_utils.broadcast(payload, src=src_rank, group=group)
+        return obj
+    length = torch.LongTensor([0]).to(dist_device)
+    distributed_utils.broadcast(length, src=src_rank, group=group)
+    payload = torch.ByteTensor(int(length.item())).to(dist_device)
+    distributed_utils.broadcast(payload, src=src_rank, group=group)
+    return torch.load(io.BytesIO(payload.cpu().numpy()), map_location="cpu", weights_only=False)
+
+
+def _unpickles_with_default_loader(broadcast_slow) -> bool:
+    try:
+        source = inspect.getsource(broadcast_slow)
+    except (OSError, TypeError):
+        return False
+    return "torch.load(" in source and "weights_only" not in source
+
+
+_FAIRSEQ_BROADCAST_OBJECT_SLOW = getattr(distributed_utils, "_broadcast_object_slow", None)
+# broadcast_object and broadcast_tensors look it up as a module global at call time.
+if _FAIRSEQ_BROADCAST_OBJECT_SLOW is not None and _unpickles_with_default_loader(_FAIRSEQ_BROADCAST_OBJECT_SLOW):
+    distributed_utils._broadcast_object_slow = broadcast_pickled_object

@@ -1,7 +1,8 @@
-"""compat.py: fairseq batching keeps every sentence; the fix is applied only where needed."""
+"""compat.py: each fix does what its docstring says, and is applied only where needed."""
 
 import numpy as np
 import pytest
+import torch
 from fairseq.data import data_utils
 
 from fairseq_modattn import compat
@@ -30,3 +31,80 @@ def test_upstream_function_drops_the_longest_sentences():
     assert data_utils.batch_by_size is compat.batch_by_size_keeping_all
     kept = np.concatenate(batches(compat._FAIRSEQ_BATCH_BY_SIZE, 300)).size
     assert kept < 300
+
+
+# ------------------------------------------------------------------ 4. torchrun
+TORCHRUN = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "3"}
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    for key in ("LOCAL_RANK", *TORCHRUN):
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("gpus, local_rank, expected", [
+    (0, "1", 0),     # CPU: no device to pick, and fairseq would divide by zero
+    (4, "1", 1),     # torchrun's LOCAL_RANK, not rank % gpus (= 3)
+    (4, None, 3),    # no LOCAL_RANK: fairseq's formula
+])
+def test_torchrun_device_id(torchrun_env, gpus, local_rank, expected):
+    torchrun_env.setattr(torch.cuda, "device_count", lambda: gpus)
+    if local_rank is not None:
+        torchrun_env.setenv("LOCAL_RANK", local_rank)
+    assert compat.torchrun_device_id(3) == expected
+
+
+def test_torchrun_environment_sets_up_a_distributed_job_on_cpu(torchrun_env):
+    """The world size flag at its CPU default of 1 no longer hides torchrun's environment."""
+    from fairseq.dataclass.configs import DistributedTrainingConfig
+    from fairseq.distributed import utils as distributed_utils
+
+    for key, value in {**TORCHRUN, "LOCAL_RANK": "1"}.items():
+        torchrun_env.setenv(key, value)
+    torchrun_env.setattr(torch.cuda, "device_count", lambda: 0)
+    cfg = DistributedTrainingConfig(distributed_world_size=1, tpu=False)  # tpu: "${common.tpu}" unresolved
+    distributed_utils.infer_init_method(cfg)
+    assert (cfg.distributed_init_method, cfg.distributed_world_size, cfg.distributed_rank) == ("env://", 4, 3)
+    assert cfg.device_id == 0 and cfg.distributed_no_spawn
+
+
+def test_without_torchrun_a_world_of_one_stays_single_process(torchrun_env):
+    from fairseq.dataclass.configs import DistributedTrainingConfig
+    from fairseq.distributed import utils as distributed_utils
+
+    cfg = DistributedTrainingConfig(distributed_world_size=1, tpu=False)  # tpu: "${common.tpu}" unresolved
+    distributed_utils.infer_init_method(cfg)
+    assert cfg.distributed_init_method is None and cfg.distributed_world_size == 1
+
+
+def test_upstream_torchrun_path_divides_by_the_gpu_count(torchrun_env):
+    """The behaviour fix 4 corrects; skipped once fairseq reads LOCAL_RANK itself."""
+    from fairseq.dataclass.configs import DistributedTrainingConfig
+
+    if not compat._divides_by_cuda_count(compat._FAIRSEQ_LAUNCH_INIT):
+        pytest.skip("the installed fairseq does not divide by the CUDA device count")
+    for key, value in TORCHRUN.items():
+        torchrun_env.setenv(key, value)
+    torchrun_env.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ZeroDivisionError):
+        compat._FAIRSEQ_LAUNCH_INIT(DistributedTrainingConfig(distributed_world_size=4))
+
+
+# ------------------------------------------------------------------ 5. resume on several ranks
+def test_fairseq_state_needs_the_full_unpickler():
+    """What rank 0 broadcasts when resuming holds omegaconf configs, which torch's default
+    (weights_only) loader refuses; fix 5 is installed where fairseq uses that loader.
+    tests/test_distributed.py resumes a real 2-rank run through it."""
+    import io
+
+    from fairseq.distributed import utils as distributed_utils
+    from omegaconf import OmegaConf
+
+    pickled = io.BytesIO()
+    torch.save({"cfg": OmegaConf.create({"lr": [0.1]})}, pickled)
+    with pytest.raises(Exception, match="DictConfig"):
+        torch.load(io.BytesIO(pickled.getvalue()))
+    if compat._unpickles_with_default_loader(compat._FAIRSEQ_BROADCAST_OBJECT_SLOW):
+        assert distributed_utils._broadcast_object_slow is compat.broadcast_pickled_object

@@ -1,8 +1,5 @@
 """End to end through the real fairseq commands with --user-dir, on real Multi30k data."""
 
-import socket
-import subprocess
-
 import pytest
 import torch
 
@@ -102,28 +99,3 @@ def test_eval_bleu_and_validation_use_every_sentence(multi30k_bin, tmp_path):
     valid = next(iter(logged(out, "valid").values()))
     assert "bleu" in valid, out[-3000:]
     assert valid["bsz"] == pytest.approx(100 / 13, abs=0.05), valid
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_process_gloo_training_logs_same_keys(multi30k_bin, tmp_path):
-    port = _free_port()
-    common = [fairseq_cli("fairseq-train"), multi30k_bin, *TRAIN, *SMALL_DMA, "--save-dir", tmp_path / "ck",
-              "--max-update", "3", "--log-interval", "1", "--distributed-world-size", "2",
-              "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-no-spawn",
-              "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
-    procs = [subprocess.Popen([str(a) for a in common + ["--distributed-rank", str(rank)]],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
-    assert "distributed init (rank 1)" in outputs[0] + outputs[1]
-    inner = logged(outputs[0], "train_inner")
-    assert sorted(inner) == [1, 2, 3], outputs[0][-3000:]
-    for row in inner.values():
-        assert all(key in row for key in AUX_KEYS)

@@ -27,15 +27,42 @@ EXAMPLES = sorted((REPO / "examples").glob("*/README.md"))
 PLUGIN = str(REPO / "fairseq_modattn")
 
 
-def commands(path: Path):
-    """(program, argv) of every fairseq command in the file's bash blocks."""
+LAUNCHERS = ("torchrun", "srun")
+# shell variables of the README's loops, replaced by a value they take
+SAMPLE_VALUES = {"$rank": "0"}
+
+
+def split_command(line: str):
+    """(launcher words, program, argv) of a shell line running a fairseq command, else None.
+
+    Leading ``VAR=value`` assignments and a trailing ``&`` are dropped; under a launcher
+    (``torchrun``, ``srun``) the program is the word naming a fairseq script, also as
+    ``"$(which fairseq-train)"``."""
+    words = [SAMPLE_VALUES.get(w, w) for w in shlex.split(line, comments=True)]
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]
+    if words and words[-1] == "&":
+        words = words[:-1]
+    launcher = []
+    if words and words[0] in LAUNCHERS:
+        at = next((i for i, w in enumerate(words) if re.search(r"fairseq-\w+\)?$", w)), None)
+        if at is None:
+            return None
+        launcher, words = words[:at], [re.search(r"fairseq-\w+", words[at]).group(0), *words[at + 1:]]
+    if not words or not words[0].startswith("fairseq-"):
+        return None
+    return launcher, words[0], [PLUGIN if w == "fairseq_modattn" else w for w in words[1:]]
+
+
+def commands(path: Path, launched: bool = False):
+    """(program, argv) of every fairseq command in the file's bash blocks; with ``launched``,
+    (launcher words, program, argv)."""
     found = []
     for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words and words[0].startswith("fairseq-"):
-                argv = [PLUGIN if w == "fairseq_modattn" else w for w in words[1:]]
-                found.append((words[0], argv))
+            command = split_command(line)
+            if command is not None:
+                found.append(command if launched else command[1:])
     return found
 
 
@@ -92,18 +119,41 @@ def test_readme_analysis_commands_parse():
         check_modattn_command(REPO / "README.md", argv)
 
 
+def check_training_command(argv):
+    """fairseq-train's parser accepts ARGV, and the model and criterion it names build."""
+    d = synthetic_dictionary()
+    args = options.parse_args_and_arch(options.get_training_parser(), input_args=argv)
+    assert args.user_dir == PLUGIN
+    task = TranslationTask(args, d, d)
+    torch.manual_seed(0)
+    model = models.build_model(args, task)
+    criterions.build_criterion(args, task)
+    assert type(model).__module__.startswith("fairseq_modattn."), (argv, type(model))
+    return args
+
+
+def test_readme_scaling_out_commands_parse_and_build():
+    """README "Scaling out": every launcher line parses (torchrun's own parser), and every
+    training command parses and builds; the CPU recipe names gloo and legacy_ddp."""
+    from torch.distributed.run import get_args_parser
+
+    found = [c for c in commands(REPO / "README.md", launched=True) if c[1] == "fairseq-train"]
+    launchers = [launcher[0] for launcher, _, _ in found if launcher]
+    assert launchers.count("torchrun") >= 2 and "srun" in launchers, launchers
+    for launcher, _, argv in found:
+        if launcher and launcher[0] == "torchrun":
+            get_args_parser().parse_args([*launcher[1:], "fairseq-train"])
+        args = check_training_command(argv)
+        if args.cpu and args.distributed_world_size > 1:
+            assert (args.distributed_backend, args.ddp_backend) == ("gloo", "legacy_ddp"), argv
+    assert any("--fp16" in argv for _, _, argv in found)
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
 def test_example_commands_parse_and_build(path):
-    d = synthetic_dictionary()
     for program, argv in commands(path):
         if program == "fairseq-train":
-            args = options.parse_args_and_arch(options.get_training_parser(), input_args=argv)
-            assert args.user_dir == PLUGIN
-            task = TranslationTask(args, d, d)
-            torch.manual_seed(0)
-            model = models.build_model(args, task)
-            criterions.build_criterion(args, task)
-            assert type(model).__module__.startswith("fairseq_modattn."), (argv, type(model))
+            check_training_command(argv)
         elif program == "fairseq-modattn":
             check_modattn_command(path, argv)
         elif program == "fairseq-generate":

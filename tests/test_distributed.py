@@ -37,15 +37,12 @@ import torch
 
 import fairseq_modattn  # noqa: F401  (compat.py's allow-list for loading checkpoints)
 from cli_checks import logged
-from conftest import TINY_MODELS, fairseq_cli, tiny_train_args
+from conftest import fairseq_cli
+from inprocess import batches, build_trainer, train_args
 
 HERE = Path(__file__).resolve().parent
 RECORDING_TRAIN = HERE / "train_recording_sync.py"
 
-TALKING_HEADS = [
-    "--arch", "talking_heads_transformer_iwslt_de_en", *TINY_MODELS["transformer"][2:],
-    "--th-attention", "enc_self,dec_self,enc_dec",
-]
 DETERMINISTIC = {
     "dma": ["--dma-noise-var", "1e-12", "--dma-qq-weight", "0", "--dma-xq-weight", "0"],
     "rim": ["--rim-attention-dropout", "0"],
@@ -59,8 +56,7 @@ DISTRIBUTED = ["--distributed-world-size", "2", "--distributed-backend", "gloo",
 
 
 def family_args(family):
-    base = tiny_train_args("transformer") + TALKING_HEADS if family == "talking_heads" else tiny_train_args(family)
-    return [*base, *EPOCH, *DETERMINISTIC.get(family, [])]
+    return [*train_args(family), *EPOCH, *DETERMINISTIC.get(family, [])]
 
 
 def free_port():
@@ -203,3 +199,32 @@ def test_torchrun_two_nodes_on_loopback(epoch_runs, multi30k_bin, tmp_path):
     assert_same_training(outputs[0], tmp_path / "ck" / "checkpoint_last.pt",
                          epoch_runs["ranks"][0], root / "ranks" / "checkpoint_last.pt")
     assert len(sync_records(tmp_path, 0)) == len(sync_records(tmp_path, 1)) > 0
+
+
+@pytest.fixture(scope="module")
+def one_rank_gloo_group():
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_parameter_gets_a_gradient_under_pytorch_ddp(family, multi30k_bin, tmp_path, one_rank_gloo_group):
+    """fairseq's default on GPUs, ``--ddp-backend pytorch_ddp``, is torch's
+    DistributedDataParallel with ``find_unused_parameters=False``: a trainable parameter left
+    without a gradient in a step makes the next step fail. fairseq's wrapper passes a GPU id,
+    so on CPU the test wraps the model the same way by hand (DDP behind fairseq's
+    ModuleProxyWrapper) on a one-rank gloo group, whose reducer checks the same, and trains
+    three steps with the family's real criterion and default flags."""
+    from fairseq.distributed import ModuleProxyWrapper
+    from torch.nn.parallel import DistributedDataParallel
+
+    trainer = build_trainer(multi30k_bin, family, tmp_path)
+    model = ModuleProxyWrapper(DistributedDataParallel(trainer.get_model(), find_unused_parameters=False))
+    criterion = trainer.get_criterion()
+    model.train()
+    for _, sample in zip(range(3), batches(trainer)):
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused, unused

@@ -117,6 +117,12 @@ class _MahalanobisDistances(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        # fp32 like the forward, also when backward is called inside an autocast region
+        with torch.autocast(device_type=grads[0].device.type, enabled=False):
+            return _MahalanobisDistances._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         x, noise, means, inv_var = ctx.saved_tensors
         grad_point = grads[0]
         grad_mean = grads[1] if len(grads) > 1 else None

@@ -42,6 +42,7 @@ L_dv (Eq. 14) with C the (n x n_c) posterior matrix of a sentence and head,
 which needs only the n_c x n_c Gram matrix.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -49,6 +50,25 @@ import torch
 from torch import Tensor
 
 from .logspace import log_matmul_exp
+
+
+def in_fp32(bound):
+    """Run ``bound`` with autocast off and its floating-point inputs in at least fp32: under
+    ``--amp`` or bf16 autocast the critic and Gram matmuls would otherwise run in half
+    precision (a 4e-3 relative error on L_Dxq in bf16), although the result is fp32."""
+
+    @functools.wraps(bound)
+    def fp32_bound(*args, **kwargs):
+        def widen(t):
+            if torch.is_tensor(t) and t.is_floating_point():
+                return t.to(torch.promote_types(t.dtype, torch.float32))
+            return t
+
+        device = next(t.device.type for t in args if torch.is_tensor(t))
+        with torch.autocast(device_type=device, enabled=False):
+            return bound(*map(widen, args), **{k: widen(v) for k, v in kwargs.items()})
+
+    return fp32_bound
 
 
 def masked_token_mean(values: Tensor, valid: Optional[Tensor]) -> Tensor:
@@ -96,6 +116,7 @@ def _log_pair_likelihood(log_token_given_c: Tensor, log_post: Tensor) -> Tensor:
     return per_token.permute(0, 2, 3, 1)
 
 
+@in_fp32
 def head_dependence_bound(
     log_joint: Tensor, log_post: Tensor, valid: Optional[Tensor], negatives: Optional[Tensor] = None
 ) -> Tensor:
@@ -148,6 +169,11 @@ class _InfoNCEScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with torch.autocast(device_type=grad.device.type, enabled=False):
+            return _InfoNCEScores._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         post, key_valid, log_partition = ctx.saved_tensors
         # a sentence without real keys has log_partition = -inf and no gradient
         shift = log_partition.masked_fill(torch.isinf(log_partition), 0.0).unsqueeze(-1)
@@ -165,6 +191,7 @@ def _masked_critic(post: Tensor, key_valid: Optional[Tensor]) -> Tensor:
     return critic
 
 
+@in_fp32
 def infonce_bound(post: Tensor, valid: Optional[Tensor]) -> Tensor:
     """L_Dxq: InfoNCE with critic f_ij = <Q_i, Q_j>, over the real tokens of each sentence."""
     if valid is None:
@@ -174,6 +201,7 @@ def infonce_bound(post: Tensor, valid: Optional[Tensor]) -> Tensor:
     return masked_token_mean(_InfoNCEScores.apply(post, valid) + log_n, valid)
 
 
+@in_fp32
 def diversity_penalty(post: Tensor, valid: Optional[Tensor]) -> Tensor:
     """L_dv: mean over sentences and heads of (1/n) ||C C^T - I||_F^2, in O(n n_c^2)."""
     if valid is not None:

@@ -49,7 +49,8 @@ def test_train_logs_every_loss_term(trained):
         for key in AUX_KEYS + ("loss", "nll_loss"):
             assert key in row, (key, row)
     assert inner[1]["gamma"] < inner[8]["gamma"] <= 0.5  # annealed by update count
-    assert all(abs(r["dqq"]) > 0 and r["kl"] > 0 for r in inner.values())
+    assert all(r["dqq"] >= 0 and r["kl"] > 0 for r in inner.values())  # L_Dqq clamps each head pair at 0
+    assert any(r["dqq"] > 0 for r in inner.values())
 
 
 def test_resume_reproduces_uninterrupted_run(multi30k_bin, trained, tmp_path):

@@ -16,6 +16,7 @@ from fairseq_modattn.modules.logspace import log_matmul_exp
 from fairseq_modattn.modules.mi_bounds import (
     diversity_penalty,
     head_dependence_bound,
+    head_dependence_estimates,
     infonce_bound,
     sample_negatives,
 )
@@ -426,37 +427,43 @@ def real_tokens(valid, b):
     return [i for i in range(valid.size(1)) if valid[b, i]]
 
 
-def naive_dqq(log_joint, log_post, valid, negatives=None):
-    """CLUB bound as documented in mi_bounds: for heads h != h' and real tokens i, j,
+def naive_dqq_estimates(log_joint, log_post, valid, negatives=None):
+    """{(h, h'): I_hh'} as documented in mi_bounds: for heads h != h' and real tokens i, j,
     p(q_j^h|c) = p(q_j^h, c) / sum_{j' real} p(q_j'^h, c),  S_ij = sum_c p(q_j^h|c) Q_ic^h',
-    L = mean_i mean_{h != h'} [ log S_ii - (1/n) sum_{j real} log S_ij ];
+    I_hh' = mean over the batch's real tokens i of [ log S_ii - (1/n) sum_{j real} log S_ij ];
     with ``negatives`` (the sampled form) the negative term is log S_{i j_i}, j_i = negatives[b, i]."""
     joint, post = log_joint.exp(), log_post.exp()
     bsz, heads, _, num_c = joint.shape
-    total, count = 0.0, 0
-    for b in range(bsz):
-        idx = real_tokens(valid, b)
-        for i in idx:
-            pair_sum = 0.0
-            for h in range(heads):
-                for h2 in range(heads):
-                    if h == h2:
-                        continue
+    estimates = {}
+    for h in range(heads):
+        for h2 in range(heads):
+            if h == h2:
+                continue
+            total, count = 0.0, 0
+            for b in range(bsz):
+                idx = real_tokens(valid, b)
 
-                    def log_s(j):
-                        s = 0.0
-                        for c in range(num_c):
-                            norm = sum(joint[b, h, j2, c].item() for j2 in idx)
-                            s += joint[b, h, j, c].item() / norm * post[b, h2, i, c].item()
-                        return math.log(s)
+                def log_s(i, j):
+                    s = 0.0
+                    for c in range(num_c):
+                        norm = sum(joint[b, h, j2, c].item() for j2 in idx)
+                        s += joint[b, h, j, c].item() / norm * post[b, h2, i, c].item()
+                    return math.log(s)
 
+                for i in idx:
                     if negatives is None:
-                        pair_sum += log_s(i) - sum(log_s(j) for j in idx) / len(idx)
+                        total += log_s(i, i) - sum(log_s(i, j) for j in idx) / len(idx)
                     else:
-                        pair_sum += log_s(i) - log_s(int(negatives[b, i]))
-            total += pair_sum / (heads * (heads - 1))
-            count += 1
-    return total / count
+                        total += log_s(i, i) - log_s(i, int(negatives[b, i]))
+                    count += 1
+            estimates[h, h2] = total / count
+    return estimates
+
+
+def naive_dqq(log_joint, log_post, valid, negatives=None):
+    """L_Dqq = mean over head pairs h != h' of max(0, I_hh')."""
+    estimates = naive_dqq_estimates(log_joint, log_post, valid, negatives)
+    return sum(max(0.0, v) for v in estimates.values()) / len(estimates)
 
 
 def naive_dxq(post, valid):
@@ -529,9 +536,28 @@ def test_sampled_head_dependence_bound_matches_naive_and_averages_to_the_exact_b
         for b in range(len(lengths)):
             idx = real_tokens(valid, b)
             neg[b, :] = idx[k % len(idx)]
-        rounds.append(head_dependence_bound(log_joint, log_post, valid, neg))
-    exact = head_dependence_bound(log_joint, log_post, valid)
-    assert torch.stack(rounds).mean().item() == pytest.approx(exact.item(), rel=1e-10)
+        rounds.append(head_dependence_estimates(log_joint, log_post, valid, neg))
+    exact = head_dependence_estimates(log_joint, log_post, valid)
+    torch.testing.assert_close(torch.stack(rounds).mean(0), exact, rtol=1e-10, atol=1e-12)
+
+
+def test_head_pairs_below_zero_add_neither_value_nor_gradient():
+    """L_Dqq = mean_{h != h'} max(0, I_hh'); the inputs give pairs on both sides of 0."""
+    log_joint, log_post, valid = loss_inputs(10, [5, 3], heads=4)
+    log_joint.requires_grad_()
+    estimates = head_dependence_estimates(log_joint, log_post, valid)
+    naive = naive_dqq_estimates(log_joint, log_post, valid)
+    for (h, h2), value in naive.items():
+        assert estimates[h, h2].item() == pytest.approx(value, rel=1e-10)
+    signs = {value > 0 for value in naive.values()}
+    assert signs == {True, False}, naive
+    head_dependence_bound(log_joint, log_post, valid).backward()
+    positive = [pair for pair, value in naive.items() if value > 0]
+    clamped = log_joint.grad.clone()
+    log_joint.grad = None
+    # the gradient is exactly that of the positive pairs' sum, divided by the pair count
+    torch.stack([estimates[pair] for pair in positive]).sum().div(len(naive)).backward()
+    torch.testing.assert_close(clamped, log_joint.grad)
 
 
 def test_sample_negatives_is_uniform_over_real_tokens():

@@ -30,9 +30,14 @@ def fairseq_cli(name: str) -> str:
     return str(BIN / name)
 
 
+def cli_environment(**extra) -> dict:
+    """The environment the tests run fairseq commands in: unbuffered, one thread each."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+
+
 def run_cli(args, cwd=None, input_text=None, timeout=600, check=True):
     """Run a real fairseq-* command; return its combined output (raise with it on failure)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = cli_environment()
     proc = subprocess.run(
         [str(a) for a in args], cwd=cwd, input=input_text, capture_output=True, text=True,
         timeout=timeout, env=env,

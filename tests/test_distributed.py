@@ -26,7 +26,6 @@ loopback (compat.py fix 4) trains the same model as explicitly initialised ranks
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import torch
 
 import fairseq_modattn  # noqa: F401  (compat.py's allow-list for loading checkpoints)
 from cli_checks import logged
-from conftest import fairseq_cli
+from conftest import cli_environment, fairseq_cli
 from inprocess import batches, build_trainer, train_args
 
 HERE = Path(__file__).resolve().parent
@@ -66,10 +65,7 @@ def free_port():
 
 
 def environment(record_dir=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    if record_dir is not None:
-        env["SYNC_RECORD_DIR"] = str(record_dir)
-    return env
+    return cli_environment() if record_dir is None else cli_environment(SYNC_RECORD_DIR=str(record_dir))
 
 
 def run_together(commands, env, timeout=600):

@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .gmm import at_least_fp32
 from .logspace import log_matmul_exp
 
 
@@ -70,9 +71,7 @@ def in_fp32(bound):
     @functools.wraps(bound)
     def fp32_bound(*args, **kwargs):
         def widen(t):
-            if torch.is_tensor(t) and t.is_floating_point():
-                return t.to(torch.promote_types(t.dtype, torch.float32))
-            return t
+            return t.to(at_least_fp32(t)) if torch.is_tensor(t) and t.is_floating_point() else t
 
         device = next(t.device.type for t in args if torch.is_tensor(t))
         with torch.autocast(device_type=device, enabled=False):

@@ -84,7 +84,7 @@ def test_ablation_trains_evaluates_tabulates_and_resumes(multi30k_bin, tmp_path)
 
     # other settings in the same folder are refused, naming what changed
     code, log = ablate(multi30k_bin, out, "--seed", "2", check=False)
-    assert code == 1 and "holds an ablation made with other settings (seed: 1 -> 2)" in log, log[-2000:]
+    assert code == 1 and "holds runs made with other settings (seed: 1 -> 2)" in log, log[-2000:]
 
 
 @pytest.mark.parametrize("args, message", [

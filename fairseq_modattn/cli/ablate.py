@@ -20,14 +20,12 @@ runs that are not comparable (more n_c values may be added to a finished ablatio
 import argparse
 import csv
 import io
-import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 from ..analysis import AnalysisError
+from . import runs
 from .evaluate import PLUGIN_DIR, fairseq_script, write_json_atomically
 
 #: the paper's IWSLT14 training recipe (examples/iwslt14); flags after '--' override these
@@ -108,26 +106,8 @@ def settings_of(args, train_extra: List[str]) -> Dict:
     }
 
 
-def check_settings(output_dir: Path, settings: Dict):
-    """Record the settings, or refuse when OUTPUT_DIR holds runs made with other ones."""
-    path = output_dir / "settings.json"
-    if path.exists():
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-        changed = [k for k in IDENTITY_KEYS if recorded.get(k) != settings.get(k)]
-        if changed:
-            details = "; ".join(f"{k}: {recorded.get(k)!r} -> {settings.get(k)!r}" for k in changed)
-            raise AnalysisError(f"{output_dir} holds an ablation made with other settings ({details}); "
-                                "rerun with the same flags to continue it, or use another --output-dir")
-    else:
-        write_json_atomically(settings, path)
-
-
-def train(run_dir: Path, clusters: int, args, settings: Dict, log) -> None:
-    """fairseq-train for one n_c (continuing from checkpoint_last.pt if there is one)."""
-    done = run_dir / "train.done"
-    if done.exists():
-        log(f"[n_c={clusters}] already trained ({done})")
-        return
+def training_run(run_dir: Path, clusters: int, args, settings: Dict) -> runs.TrainingRun:
+    """fairseq-train for one n_c (continued from checkpoint_last.pt if there is one)."""
     command = [fairseq_script("fairseq-train"), settings["data"], "--user-dir", str(PLUGIN_DIR), "--arch", args.arch,
                "--dma-clusters", str(clusters), "--save-dir", str(run_dir / "checkpoints"),
                "--seed", str(args.seed), "--keep-last-epochs", str(args.num_epoch_checkpoints),
@@ -138,64 +118,7 @@ def train(run_dir: Path, clusters: int, args, settings: Dict, log) -> None:
         command += ["--max-update", str(args.max_update)]
     if args.cpu:
         command.append("--cpu")
-    resuming = (run_dir / "checkpoints" / "checkpoint_last.pt").exists()
-    log(f"[n_c={clusters}] {'continuing' if resuming else 'training'}: {shlex.join(command)}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "train.log", "a", encoding="utf-8") as out:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:
-            out.write(line)
-            if " | INFO | " in line and ("| valid |" in line or "| train |" in line or "done training" in line):
-                log(f"[n_c={clusters}] {line.split(' | INFO | ', 1)[1].rstrip()}")
-        code = proc.wait()
-    if code != 0:
-        tail = "".join((run_dir / "train.log").read_text(encoding="utf-8").splitlines(True)[-20:])
-        raise AnalysisError(f"fairseq-train for n_c={clusters} exited with status {code}; "
-                            f"last lines of {run_dir / 'train.log'}:\n{tail}")
-    write_json_atomically({"command": command}, done)
-
-
-def evaluate(run_dir: Path, clusters: int, args, log) -> Dict:
-    """Average the last epoch checkpoints and score them (cached in evaluation/results.json)."""
-    from ..analysis.checkpoints import find_checkpoints
-    from .evaluate import evaluate_checkpoints
-
-    result_path = run_dir / "evaluation" / "results.json"
-    if result_path.exists():
-        log(f"[n_c={clusters}] already evaluated ({result_path})")
-        return json.loads(result_path.read_text(encoding="utf-8"))
-    save_dir = run_dir / "checkpoints"
-    epochs = list(save_dir.glob("checkpoint[0-9]*.pt"))
-    if epochs:
-        checkpoints = find_checkpoints(save_dir, args.num_epoch_checkpoints, allow_fewer=True)
-    else:  # a budget shorter than one epoch leaves no epoch checkpoint
-        log(f"[n_c={clusters}] no epoch checkpoint (budget under one epoch): evaluating checkpoint_last.pt")
-        checkpoints = [save_dir / "checkpoint_last.pt"]
-    results = evaluate_checkpoints(
-        args.data, checkpoints, subset=args.subset, beam=args.beam, compound_split=args.compound_split,
-        cpu=args.cpu, work_dir=run_dir / "evaluation", extra_generate_args=shlex.split(args.generate_args),
-        log=lambda m: log(f"[n_c={clusters}] {m}"),
-    )
-    write_json_atomically(results, result_path)
-    return results
-
-
-def redundancy(run_dir: Path, clusters: int, model_path: str, args, log) -> Dict:
-    """Parameter count and LR / HR of the evaluated (averaged) model (cached in redundancy.json)."""
-    from ..analysis.extract import measure_redundancy
-    from ..analysis.loading import load_model
-
-    path = run_dir / "redundancy.json"
-    if path.exists():
-        log(f"[n_c={clusters}] redundancy already measured ({path})")
-        return json.loads(path.read_text(encoding="utf-8"))
-    model, task, _ = load_model(model_path, args.data, cpu=args.cpu)
-    result = measure_redundancy(model, task, args.subset, args.attention)
-    report = {"parameters": sum(p.numel() for p in model.parameters()), "attention": args.attention,
-              **result.as_dict()}
-    write_json_atomically(report, path)
-    log(f"[n_c={clusters}] {args.attention}: LR {result.lr:.4f}, HR {result.hr:.4f}")
-    return report
+    return runs.TrainingRun(f"n_c={clusters}", run_dir, command)
 
 
 COLUMNS = ["n_c", "params", "LR", "HR", "BLEU", "sacreBLEU", "compound-split BLEU", "checkpoints averaged"]
@@ -205,8 +128,10 @@ def table_rows(results: Dict[int, Dict]) -> List[Dict]:
     rows = []
     for clusters in sorted(results):
         ev, red = results[clusters]["evaluation"], results[clusters]["redundancy"]
+        (measured,) = red["redundancy"].values()
         rows.append({
-            "n_c": clusters, "params": red["parameters"], "LR": red["LR"], "HR": red["HR"], "BLEU": ev["bleu"],
+            "n_c": clusters, "params": red["parameters"], "LR": measured["LR"], "HR": measured["HR"],
+            "BLEU": ev["bleu"],
             "sacreBLEU": ev["sacrebleu"], "compound-split BLEU": ev["compound_split_bleu"],
             "checkpoints averaged": len(ev["checkpoints"]),
         })
@@ -271,27 +196,27 @@ def ablate(argv: List[str]) -> int:
     def log(message: str):
         print(message, flush=True)
 
-    try:
+    def body() -> int:
         validate(args, train_extra)
         settings = settings_of(args, train_extra)
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        check_settings(args.output_dir, settings)
+        runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
         results = {}
         for index, clusters in enumerate(args.clusters, 1):
             log(f"== n_c = {clusters} ({index}/{len(args.clusters)})")
             run_dir = args.output_dir / f"nc{clusters}"
-            train(run_dir, clusters, args, settings, log)
-            evaluation = evaluate(run_dir, clusters, args, log)
-            results[clusters] = {"evaluation": evaluation,
-                                 "redundancy": redundancy(run_dir, clusters, evaluation["model_path"], args, log)}
+            label = f"n_c={clusters}"
+            runs.train(training_run(run_dir, clusters, args, settings), log)
+            evaluation = runs.evaluate(
+                run_dir, label, args.data, average_last=args.num_epoch_checkpoints, subset=args.subset,
+                beam=args.beam, cpu=args.cpu, compound_split=args.compound_split,
+                generate_args=shlex.split(args.generate_args), log=log)
+            measured = runs.redundancy(run_dir, label, evaluation["model_path"], args.data, subset=args.subset,
+                                       attentions=[args.attention], cpu=args.cpu, log=log)
+            results[clusters] = {"evaluation": evaluation, "redundancy": measured}
         rows = write_outputs(args.output_dir, results, settings, log)
-    except AnalysisError as e:
-        print(f"fairseq-modattn ablate: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("fairseq-modattn ablate: interrupted; finished steps are kept, rerun the same command to continue",
-              file=sys.stderr)
-        return 130
-    print()
-    print(markdown_table(rows, settings))
-    return 0
+        print()
+        print(markdown_table(rows, settings))
+        return 0
+
+    return runs.resumable_command("fairseq-modattn ablate", body)

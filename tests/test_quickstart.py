@@ -1,0 +1,86 @@
+"""``fairseq-modattn quickstart`` end to end on a tiny budget, and its option checks.
+
+The end-to-end test runs the real command as a user would: Multi30k prepared from the raw
+files (500 training pairs, a 500-merge BPE), a transformer and a DMA transformer of the
+package's recipes trained for 3 updates each by the real fairseq-train (two at a time), both
+translating the 1000 test sentences with the real fairseq-generate, and the redundancy of their
+heads measured; then the same command again, which must reuse every finished step.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from conftest import run_cli
+
+MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
+
+
+def quickstart(*args, check=True):
+    return run_cli([MODATTN, "quickstart", *args], check=check)
+
+
+def test_quickstart_prepares_trains_evaluates_and_tabulates(multi30k_dir, tmp_path):
+    out = tmp_path / "qs"
+    args = ["--output-dir", out, "--raw-dir", multi30k_dir, "--no-download", "--max-train-sentences", "500",
+            "--bpe-size", "500", "--max-update", "3", "--jobs", "2", "--generate-args", "--max-len-b 5"]
+    _, log = quickstart(*args)
+
+    assert (out / "data-bin" / "multi30k.de-en" / "dict.de.txt").is_file()
+    assert "sentences: train 500, valid 1,014, test 1,000" in log, log[-3000:]
+    assert "2 at a time with 1 thread(s) each on CPU" in log
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {r["model"]: r for r in summary["rows"]}
+    assert list(rows) == ["transformer", "dma"]
+    for name, row in rows.items():
+        assert row["updates"] == 3, row
+        assert 0 <= row["BLEU"] <= 100 and row["valid nll"] > 0 and row["tokens/s"] > 0
+        for attention in ("enc_self", "dec_self", "enc_dec"):
+            assert 0 <= row[f"HR {attention}"] <= row[f"LR {attention}"] + 1e-9 <= 1 + 1e-9
+        results = json.loads((out / name / "evaluation" / "results.json").read_text())
+        assert results["sentences"] == 1000 and results["subset"] == "test" and results["beam"] == 5
+        command = json.loads((out / name / "train.done").read_text())["command"]
+        assert command[command.index("--max-update") + 1] == "3" and "--cpu" in command
+        assert f"[{name}] training:" in log
+    # the same architecture but for DMA's modules: DMA adds its GMMs' parameters only
+    assert 0 < rows["dma"]["params"] - rows["transformer"]["params"] < 0.02 * rows["transformer"]["params"]
+    assert summary["settings"]["max_update"] == 3
+
+    table = (out / "table.md").read_text()
+    header = "| model | params | BLEU | LR / HR enc self | LR / HR dec self | LR / HR enc-dec |"
+    assert header in table and header in log
+    for name, row in rows.items():
+        assert re.search(rf"^\| {name} \| {row['params']:,} \| {row['BLEU']:.2f} \| ", table, re.M), table
+
+    # rerunning the finished command reuses every step
+    _, log = quickstart(*args)
+    for name in rows:
+        assert f"[{name}] already trained" in log and f"[{name}] already evaluated" in log
+        assert f"[{name}] redundancy already measured" in log
+    assert json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
+
+    # other settings in the same folder are refused, naming what changed
+    code, log = quickstart(*[a if a != "3" else "4" for a in args], check=False)
+    assert code == 1 and "holds runs made with other settings (max_update: 3 -> 4)" in log, log[-2000:]
+
+
+def test_quickstart_option_errors(multi30k_bin, tmp_path):
+    out = str(tmp_path / "qs")
+    cases = [
+        (["--models", "transformer", "nope"], "unknown model(s) nope; choose from transformer, dma"),
+        (["--models", "dma", "dma"], "--models lists a model twice"),
+        (["--max-update", "0"], "--max-update must be a positive integer, got 0"),
+        (["--jobs", "-1"], "--jobs must be a positive integer, got -1"),
+        (["--average-last", "-2"], "--average-last must be >= 0"),
+        (["--data", tmp_path], "is not a prepared de-en data-bin"),
+        (["--data", multi30k_bin, "--max-train-sentences", "10"], "--max-train-sentences prepares the data"),
+        (["--data", multi30k_bin, "--", "--arch", "lstm"], "--arch after '--' would override what quickstart sets"),
+        (["--raw-dir", tmp_path / "empty", "--no-download"], "train.de.gz"),
+    ]
+    for extra, message in cases:
+        code, log = quickstart("--output-dir", out, *extra, check=False)
+        assert code == 1 and message in log, (extra, log[-1500:])
+        assert "Traceback" not in log, log[-3000:]
+    code, log = quickstart("--max-update", "many", check=False)
+    assert code == 2 and "invalid int value: 'many'" in log

@@ -12,6 +12,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import run_cli
 
 MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
@@ -63,9 +65,18 @@ def test_quickstart_prepares_trains_evaluates_and_tabulates(multi30k_dir, tmp_pa
     # other settings in the same folder are refused, naming what changed
     code, log = quickstart(*[a if a != "3" else "4" for a in args], check=False)
     assert code == 1 and "holds runs made with other settings (max_update: 3 -> 4)" in log, log[-2000:]
+    # so is a finished run whose recipe has changed since (here: its recorded command)
+    done = out / "dma" / "train.done"
+    done.write_text(json.dumps({"command": json.loads(done.read_text())["command"] + ["--dma-clusters", "8"]}))
+    code, log = quickstart(*args, check=False)
+    assert code == 1 and "holds a dma model trained with another command" in log, log[-2000:]
 
 
-def test_quickstart_option_errors(multi30k_bin, tmp_path):
+def test_quickstart_option_errors(multi30k_bin, tmp_path, capsys):
+    """Bad options stop the command with exit status 1 and one clear line, before any work
+    (called in-process: the console script is exercised above)."""
+    from fairseq_modattn.cli.quickstart import quickstart as run
+
     out = str(tmp_path / "qs")
     cases = [
         (["--models", "transformer", "nope"], "unknown model(s) nope; choose from transformer, dma"),
@@ -73,14 +84,15 @@ def test_quickstart_option_errors(multi30k_bin, tmp_path):
         (["--max-update", "0"], "--max-update must be a positive integer, got 0"),
         (["--jobs", "-1"], "--jobs must be a positive integer, got -1"),
         (["--average-last", "-2"], "--average-last must be >= 0"),
-        (["--data", tmp_path], "is not a prepared de-en data-bin"),
-        (["--data", multi30k_bin, "--max-train-sentences", "10"], "--max-train-sentences prepares the data"),
-        (["--data", multi30k_bin, "--", "--arch", "lstm"], "--arch after '--' would override what quickstart sets"),
-        (["--raw-dir", tmp_path / "empty", "--no-download"], "train.de.gz"),
+        (["--data", str(tmp_path)], "is not a prepared de-en data-bin"),
+        (["--data", str(multi30k_bin), "--max-train-sentences", "10"], "--max-train-sentences prepares the data"),
+        (["--data", str(multi30k_bin), "--", "--arch", "lstm"], "--arch after '--' would override what quickstart"),
+        (["--raw-dir", str(tmp_path / "empty"), "--no-download"], "train.de.gz"),
     ]
     for extra, message in cases:
-        code, log = quickstart("--output-dir", out, *extra, check=False)
-        assert code == 1 and message in log, (extra, log[-1500:])
-        assert "Traceback" not in log, log[-3000:]
-    code, log = quickstart("--max-update", "many", check=False)
-    assert code == 2 and "invalid int value: 'many'" in log
+        assert run(["--output-dir", out, *extra]) == 1, extra
+        err = capsys.readouterr().err
+        assert err.startswith("fairseq-modattn quickstart: error: ") and message in err, (extra, err)
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--max-update", "many"])
+    assert exit_info.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err

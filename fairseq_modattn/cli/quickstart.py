@@ -32,7 +32,8 @@ from .model_recipes import RECIPES, ModelRecipe
 DEFAULT_MODELS = ["transformer", "dma"]
 ATTENTIONS = ("enc_self", "dec_self", "enc_dec")
 #: settings whose change makes the runs in an output directory incomparable
-IDENTITY_KEYS = ("data", "max_train_sentences", "bpe_size", "max_update", "max_epoch", "seed", "average_last", "beam", "generate_args", "train_args")
+IDENTITY_KEYS = ("data", "max_train_sentences", "bpe_size", "max_update", "max_epoch", "seed", "average_last", "beam",
+                 "generate_args", "train_args")
 
 
 def parser() -> argparse.ArgumentParser:

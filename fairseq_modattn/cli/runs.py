@@ -50,6 +50,10 @@ class TrainingRun:
 def train(run: TrainingRun, log: Log) -> None:
     """Run fairseq-train unless ``train.done`` says it finished, streaming progress lines to LOG."""
     if run.done_marker.exists():
+        recorded = json_load(run.done_marker)["command"]
+        if recorded != run.command:
+            raise AnalysisError(f"{run.run_dir} holds a {run.label} model trained with another command "
+                                f"({shlex.join(recorded)}); use another output directory")
         log(f"[{run.label}] already trained ({run.done_marker})")
         return
     resuming = (run.run_dir / "checkpoints" / "checkpoint_last.pt").exists()

@@ -12,11 +12,11 @@ c_dv 1, gamma annealed at r = 5e-4 per update). At this size and budget they kee
 behind the transformer: after 2 epochs of Multi30k its validation nll is 6.7-6.9 against the
 transformer's 4.88, because c_dv = 1 (L_dv is 5-10 nats per token and grows with sentence
 length) and c_qq = 50 each cost about 1.7 nats. The weights below were chosen on the
-validation set (docs/results.md lists every setting tried; 4.90 with these weights at the paper's
-annealing rate); the annealing rate
-is scaled to the budget so that the mask reaches its full weight gamma = alpha after about 140
-updates instead of 1,400 (it would still be at gamma 0.12 after 250). They are ordinary
-flags: ``-- --dma-div-weight 1`` restores a paper value.
+validation set (docs/results.md lists every setting tried; 4.90 with these weights at the
+paper's annealing rate). The annealing rate is scaled to the budget, so that the mask reaches
+its full weight gamma = alpha after about 140 updates instead of 1,400 (at 5e-4 it would still
+be at gamma 0.12 after 250). They are ordinary flags: ``-- --dma-div-weight 1`` restores a
+paper value.
 """
 
 from dataclasses import dataclass, field

@@ -176,15 +176,16 @@ def markdown(table: Dict[str, Dict], settings: Dict, results: List[Dict]) -> str
               for name, e in table.items()]
     lines += ["", "fairseq-train command of each model (seed " + str(settings["seeds"][0]) + "; the other seeds "
               "differ in --seed and --save-dir only):", "", "```bash"]
-    lines += [shlex.join(_portable(c)) for c in example.values()]
+    lines += [shlex.join(_portable(c, settings["data_as_given"])) for c in example.values()]
     lines += ["```", ""]
     return "\n".join(lines)
 
 
-def _portable(command: List[str]) -> List[str]:
-    """The command as a user would type it (console script names, not this machine's paths)."""
-    out = [Path(command[0]).name]
-    for arg in command[1:]:
+def _portable(command: List[str], data: str) -> List[str]:
+    """The command as a user would type it: console script names, the data-bin as given on the
+    command line, and the plugin folder instead of this machine's absolute paths."""
+    out = [Path(command[0]).name, data]
+    for arg in command[2:]:
         out.append("fairseq_modattn" if arg.endswith("/fairseq_modattn") else arg)
     return out
 
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     settings = {"data": str(args.data.resolve()), "subset": args.subset, "max_update": args.max_update,
                 "beam": args.beam, "train_args": TRAIN_FLAGS + shlex.split(args.train_args), "seeds": args.seeds,
-                "models": args.models, "jobs": jobs}
+                "models": args.models, "jobs": jobs, "data_as_given": str(args.data)}
     try:
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
         # slowest models first, so that the last ones to finish are short

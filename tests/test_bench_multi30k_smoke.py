@@ -36,4 +36,4 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert text == (out / "results.md").read_text()
     assert "| rim_lstm | " in text and " vs lstm" not in text  # no baseline row, no delta
-    assert "fairseq-train " in text and "--user-dir fairseq_modattn" in text
+    assert f"fairseq-train {multi30k_bin} --user-dir fairseq_modattn --save-dir {out}/transformer/seed1/" in text

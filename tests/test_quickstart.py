@@ -96,3 +96,25 @@ def test_quickstart_option_errors(multi30k_bin, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(["--max-update", "many"])
     assert exit_info.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err
+
+
+# epochs 1 and 3 (of 3) of a real DMA fairseq-train log (quickstart, 300 updates): a full epoch of 126
+# updates in 212 s and the last, short one of 48 updates in 81 s
+REAL_LOG = (
+    "2026-11-23 19:13:31 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 7.081 | nll_loss 6.76 | ce_loss 7.637 | kl 92.0346 | dqq 0.0007 | dxq 0.5458 | div 6.7728 | gamma 0.4647 | ppl 108.38 | wps 4940.9 | wpb 2195 | bsz 144.9 | num_updates 126\n"
+    "2026-11-23 19:13:31 | INFO | train | epoch 001 | loss 9.463 | nll_loss 9.291 | ce_loss 9.796 | kl 95.3953 | dqq 0.0064 | dxq 0.4124 | div 7.9997 | gamma 0.2553 | ppl 626.6 | wps 2016.1 | ups 0.59 | wpb 3442.5 | bsz 230.2 | num_updates 126 | lr 0.00126 | gnorm 1.326 | train_wall 212 | wall 218\n"
+    "2026-11-23 19:18:42 | INFO | valid | epoch 003 | valid on 'valid' subset | loss 5.114 | nll_loss 4.566 | ce_loss 5.741 | kl 89.9453 | dqq 0 | dxq 0.5884 | div 6.4236 | gamma 0.5 | ppl 23.69 | wps 4414.3 | wpb 2195 | bsz 144.9 | num_updates 300 | best_loss 5.114\n"
+    "2026-11-23 19:18:42 | INFO | train | epoch 003 | loss 5.168 | nll_loss 4.663 | ce_loss 5.794 | kl 92.0392 | dqq 0.0002 | dxq 0.5847 | div 5.8824 | gamma 0.5 | ppl 25.34 | wps 2008.3 | ups 0.57 | wpb 3553.4 | bsz 249.2 | num_updates 300 | lr 0.00163299 | gnorm 0.706 | train_wall 81 | wall 529\n"
+)
+
+
+def test_training_stats_weights_each_epoch_by_its_training_time(tmp_path):
+    from fairseq_modattn.cli.runs import training_stats
+
+    log = tmp_path / "train.log"
+    log.write_text(REAL_LOG)
+    stats = training_stats(log)
+    assert stats["num_updates"] == 300 and stats["train_wall"] == 212 + 81
+    assert abs(stats["wps"] - (2016.1 * 212 + 2008.3 * 81) / 293) < 1e-6
+    assert stats["valid_nll_loss"] == 4.566 and stats["valid_loss"] == 5.114
+    assert training_stats(tmp_path / "missing.log")["wps"] is None

@@ -17,7 +17,7 @@
     fairseq-modattn ablate DATA --output-dir DIR --max-epoch N [--clusters 4 8 12] [-- train args]
                                              # DMA cluster-count ablation: train, evaluate, table
     fairseq-modattn quickstart [--output-dir quickstart] [--raw-dir raw/multi30k] [--models transformer dma]
-                                             # Multi30k: prepare, train, evaluate, compare (CPU, ~15 min)
+                                             # Multi30k: prepare, train, evaluate, compare (CPU, ~10 min)
 
 Why ``flags`` exists: ``fairseq-train --arch ARCH -h`` prints its help during its first parsing
 pass, before it adds the model's arguments (fairseq 0.12 ``options.parse_args_and_arch``), so

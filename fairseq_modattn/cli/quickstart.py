@@ -14,7 +14,7 @@ One command that
 
 Every step is resumable (``cli/runs.py``): rerun the same command after an interruption.
 Default budget: 300 updates per model (about 2.4 epochs of Multi30k); on the project's 2-core
-CPU the whole command takes about 15 minutes (docs/results.md has the measured run).
+CPU the whole command took 10 minutes (docs/results.md has the measured run).
 """
 
 import argparse

@@ -200,8 +200,9 @@ _EPOCH_STATS = re.compile(r"\| INFO \| train \| epoch (\d+) \|(.*)$")
 
 
 def training_stats(train_log: Path) -> Dict:
-    """From fairseq-train's log: the per-epoch training speed in target tokens per second
-    (fairseq's ``wps``; mean over epochs), the training wall time in seconds (sum of the epochs'
+    """From fairseq-train's log: the training speed in target tokens per second (fairseq's
+    per-epoch ``wps``, averaged with each epoch's training time as weight, so that a short last
+    epoch counts for what it is), the training time in seconds (sum of the epochs'
     ``train_wall``), the number of updates, and the last validation loss and nll."""
     stats = {"wps": None, "train_wall": None, "num_updates": None, "valid_loss": None, "valid_nll_loss": None}
     wps, walls = {}, {}
@@ -219,6 +220,7 @@ def training_stats(train_log: Path) -> Dict:
             stats["valid_loss"] = float(fields["loss"]) if "loss" in fields else None
             stats["valid_nll_loss"] = float(fields["nll_loss"]) if "nll_loss" in fields else None
     if wps:
-        stats["wps"] = sum(wps.values()) / len(wps)
-        stats["train_wall"] = sum(walls.values())
+        total = sum(walls.values())
+        stats["wps"] = (sum(wps[e] * walls[e] for e in wps) / total) if total > 0 else sum(wps.values()) / len(wps)
+        stats["train_wall"] = total
     return stats

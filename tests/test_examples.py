@@ -86,7 +86,7 @@ def check_modattn_command(path: Path, argv):
     """Parse a ``fairseq-modattn`` line with the subcommand's own parser (argparse exits on an
     unknown flag); nothing is run."""
     from fairseq_modattn import data
-    from fairseq_modattn.cli import ablate, analyze, evaluate
+    from fairseq_modattn.cli import ablate, analyze, evaluate, quickstart
 
     command, rest = argv[0], argv[1:]
     own, extra = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
@@ -108,6 +108,9 @@ def check_modattn_command(path: Path, argv):
     elif command == "ablate":
         args = ablate.parser().parse_args(own)
         ablate.validate(argparse.Namespace(**{**vars(args), "data": str(REPO)}), extra)
+    elif command == "quickstart":
+        args = quickstart.parser().parse_args(own)
+        quickstart.validate(args, extra)
     else:
         pytest.fail(f"{path}: unexpected fairseq-modattn command {command}")
 

@@ -18,6 +18,8 @@
                                              # DMA cluster-count ablation: train, evaluate, table
     fairseq-modattn quickstart [--output-dir quickstart] [--raw-dir raw/multi30k] [--models transformer dma]
                                              # Multi30k: prepare, train, evaluate, compare (CPU, ~10 min)
+    fairseq-modattn serve --path CKPT --data DATA-BIN [--port 8000]
+                                             # translation demo page + JSON API with attention views
 
 Why ``flags`` exists: ``fairseq-train --arch ARCH -h`` prints its help during its first parsing
 pass, before it adds the model's arguments (fairseq 0.12 ``options.parse_args_and_arch``), so
@@ -126,6 +128,7 @@ COMMANDS = {
     "plot": lambda argv: __import__("fairseq_modattn.cli.analyze", fromlist=["plot"]).plot(argv),
     "ablate": lambda argv: __import__("fairseq_modattn.cli.ablate", fromlist=["ablate"]).ablate(argv),
     "quickstart": lambda argv: __import__("fairseq_modattn.cli.quickstart", fromlist=["quickstart"]).quickstart(argv),
+    "serve": lambda argv: __import__("fairseq_modattn.cli.serve", fromlist=["serve"]).serve(argv),
 }
 
 

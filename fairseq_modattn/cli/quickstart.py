@@ -234,6 +234,9 @@ def quickstart(argv: List[str]) -> int:
         print(markdown_table(rows))
         print()
         log(f"done: {args.output_dir / 'table.md'}, {args.output_dir / 'summary.json'}")
+        shown = "dma" if "dma" in args.models else args.models[0]
+        log(f"to translate with {shown} and see its attention in a browser: fairseq-modattn serve "
+            f"--path {args.output_dir / shown / 'checkpoints' / 'checkpoint_last.pt'} --data {data}")
         return 0
 
     return runs.resumable_command("fairseq-modattn quickstart", body)

@@ -1,0 +1,15 @@
+"""The translation demo: ``fairseq-modattn serve`` (a Flask app with a Plotly page).
+
+    text.py        raw sentence <-> the model's subword tokens, as the data recipes made them
+    translator.py  one checkpoint: beam search, then the teacher-forced forward of the best
+                   hypothesis read out per layer and head (attention, DMA clusters and masks,
+                   TIM competition, RIM activation)
+    app.py         the HTTP API and the page (``static/``), one translation at a time
+
+Flask and plotly are the ``demo`` extra (``pip install 'fairseq-modattn[demo]'``); nothing here
+is imported by ``fairseq_modattn/__init__.py``.
+"""
+
+
+class DemoError(Exception):
+    """Bad start-up input (checkpoint, data-bin, subword model): the message says what and where."""

@@ -1,0 +1,167 @@
+// The demo page: sends the sentence to POST /translate and draws what comes back with Plotly.
+"use strict";
+
+const ATTENTION_NAMES = {
+  enc_self: "encoder self-attention",
+  dec_self: "decoder self-attention",
+  enc_dec: "encoder-decoder attention",
+};
+const $ = (id) => document.getElementById(id);
+let result = null;
+
+// Plotly reads tick texts as its subset of HTML: "</s>" would be an (empty) closing tag.
+const plotlyText = (token) => token.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+
+// Token labels as tick texts on numeric axes: a categorical axis would merge repeated tokens.
+function heatmap(element, z, rowTokens, columnTokens, title, options = {}) {
+  const rows = rowTokens.map((_, i) => i);
+  const columns = columnTokens ? columnTokens.map((_, i) => i) : undefined;
+  const trace = {
+    type: "heatmap", z, colorscale: options.colorscale || "Blues", zmin: 0, zmax: options.zmax ?? 1,
+    x: columns, y: rows, hovertemplate: options.hover || "%{z:.3f}<extra></extra>",
+  };
+  const height = Math.max(320, 80 + 18 * rowTokens.length);
+  const layout = {
+    title: { text: title, font: { size: 14 } }, height, margin: { l: 110, r: 20, t: 40, b: 110 },
+    yaxis: { tickvals: rows, ticktext: rowTokens.map(plotlyText), autorange: "reversed", automargin: true },
+    xaxis: columnTokens
+      ? { tickvals: columns, ticktext: columnTokens.map(plotlyText), tickangle: -60, automargin: true }
+      : { title: options.xTitle || "", dtick: 1, automargin: true },
+  };
+  Plotly.react(element, [trace], layout, { responsive: true, displaylogo: false });
+}
+
+function fillSelect(select, labels, keep = true) {
+  const previous = select.value;
+  select.replaceChildren(...labels.map((label, i) => new Option(label, String(i))));
+  if (keep && previous !== "" && Number(previous) < labels.length) select.value = previous;
+}
+
+function range(n, prefix) {
+  return Array.from({ length: n }, (_, i) => `${prefix} ${i + 1}`);
+}
+
+// Query (row) and key (column) tokens of an attention type.
+function axes(kind) {
+  const src = result.source_tokens;
+  const tgt = result.target_tokens;
+  if (kind === "enc_self") return [src, src];
+  if (kind === "dec_self") return [tgt, result.decoder_input_tokens];
+  return [tgt, src];
+}
+
+function drawAttention() {
+  const kind = $("attention-type").value;
+  const layers = result.attention[kind];
+  fillSelect($("attention-layer"), result.attention_layers[kind]);
+  const layer = layers[Number($("attention-layer").value)];
+  fillSelect($("attention-head"), range(layer.length, "head"));
+  const head = Number($("attention-head").value);
+  const [rows, columns] = axes(kind);
+  const title = `${result.attention_layers[kind][Number($("attention-layer").value)]}, head ${head + 1}`;
+  heatmap($("attention-heatmap"), layer[head], rows, columns, title);
+}
+
+function drawDma() {
+  const kind = $("dma-type").value;
+  const layers = result.dma[kind];
+  fillSelect($("dma-layer"), layers.map((l) => l.layer));
+  const layer = layers[Number($("dma-layer").value)];
+  fillSelect($("dma-head"), range(layer.query_posteriors.length, "head"));
+  const head = Number($("dma-head").value);
+  const [rows, columns] = axes(kind);
+  $("dma-gamma").textContent = `mask weight at inference γ = ${layer.gamma.toFixed(3)}`;
+  heatmap($("dma-clusters"), layer.query_posteriors[head], rows, null, `cluster probabilities, head ${head + 1}`,
+          { colorscale: "Viridis", xTitle: "cluster", hover: "cluster %{x}: %{z:.3f}<extra></extra>" });
+  heatmap($("dma-mask"), layer.mask[head], rows, columns, `semantic mask M, ${layer.layer}, head ${head + 1}`,
+          { colorscale: "Viridis" });
+}
+
+function drawTim() {
+  const layer = result.tim[Number($("tim-layer").value)];
+  const rows = layer.side === "encoder" ? result.source_tokens : result.target_tokens;
+  heatmap($("tim-heatmap"), layer.competition, rows, null, `competition, ${layer.layer}`,
+          { colorscale: "Oranges", xTitle: "mechanism", hover: "mechanism %{x}: %{z:.3f}<extra></extra>" });
+}
+
+function drawRim() {
+  const layer = result.rim[Number($("rim-layer").value)];
+  heatmap($("rim-heatmap"), layer.activation, result.source_tokens, null, `activation, ${layer.layer}`,
+          { colorscale: "Greens", xTitle: "RIM", hover: "RIM %{x}: %{z:.2f}<extra></extra>" });
+}
+
+function show(data) {
+  result = data;
+  $("output").hidden = false;
+  $("translation").textContent = data.translation;
+  const notes = [`${data.source_tokens.length} source and ${data.target_tokens.length} target tokens`,
+                 `score ${data.score.toFixed(3)}`, `${data.milliseconds} ms`];
+  if (data.unknown_tokens.length) notes.unshift(`unknown to the model (read as <unk>): ${data.unknown_tokens.join(" ")}`);
+  $("details").textContent = notes.join(" · ");
+
+  const kinds = Object.keys(data.attention);
+  $("attention-view").hidden = kinds.length === 0;
+  if (kinds.length) {
+    const type = $("attention-type");
+    const previous = type.value;
+    type.replaceChildren(...kinds.map((k) => new Option(ATTENTION_NAMES[k] || k, k)));
+    if (kinds.includes(previous)) type.value = previous;
+    drawAttention();
+  }
+  $("dma-view").hidden = !data.dma;
+  if (data.dma) {
+    const type = $("dma-type");
+    const previous = type.value;
+    const dmaKinds = Object.keys(data.dma);
+    type.replaceChildren(...dmaKinds.map((k) => new Option(ATTENTION_NAMES[k] || k, k)));
+    if (dmaKinds.includes(previous)) type.value = previous;
+    drawDma();
+  }
+  $("tim-view").hidden = !data.tim;
+  if (data.tim) { fillSelect($("tim-layer"), data.tim.map((l) => l.layer)); drawTim(); }
+  $("rim-view").hidden = !data.rim;
+  if (data.rim) { fillSelect($("rim-layer"), data.rim.map((l) => l.layer)); drawRim(); }
+}
+
+async function translate() {
+  const text = $("source").value;
+  $("error").hidden = true;
+  $("status").textContent = "translating…";
+  $("translate").disabled = true;
+  try {
+    const response = await fetch("/translate", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ text }),
+    });
+    const data = await response.json();
+    if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
+    show(data);
+    $("status").textContent = "";
+  } catch (e) {
+    $("status").textContent = "";
+    $("error").textContent = e.message;
+    $("error").hidden = false;
+  } finally {
+    $("translate").disabled = false;
+  }
+}
+
+async function describeModel() {
+  try {
+    const info = await (await fetch("/info")).json();
+    const t = info.text;
+    $("model-info").textContent = `${info.model} (${info.family}, ${info.parameters.toLocaleString()} parameters), `
+      + `${t.source_lang} → ${t.target_lang}, beam ${info.beam}; at most ${info.max_chars} characters `
+      + `and ${info.max_source_tokens} subword tokens per request`;
+    $("source").maxLength = info.max_chars;
+  } catch (e) {
+    $("model-info").textContent = `cannot describe the model: ${e.message}`;
+  }
+}
+
+$("translate").addEventListener("click", translate);
+$("source").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) translate(); });
+for (const id of ["attention-type", "attention-layer", "attention-head"]) $(id).addEventListener("change", drawAttention);
+for (const id of ["dma-type", "dma-layer", "dma-head"]) $(id).addEventListener("change", drawDma);
+$("tim-layer").addEventListener("change", drawTim);
+$("rim-layer").addEventListener("change", drawRim);
+describeModel();

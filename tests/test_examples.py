@@ -86,7 +86,7 @@ def check_modattn_command(path: Path, argv):
     """Parse a ``fairseq-modattn`` line with the subcommand's own parser (argparse exits on an
     unknown flag); nothing is run."""
     from fairseq_modattn import data
-    from fairseq_modattn.cli import ablate, analyze, evaluate, quickstart
+    from fairseq_modattn.cli import ablate, analyze, evaluate, quickstart, serve
 
     command, rest = argv[0], argv[1:]
     own, extra = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
@@ -111,6 +111,8 @@ def check_modattn_command(path: Path, argv):
     elif command == "quickstart":
         args = quickstart.parser().parse_args(own)
         quickstart.validate(args, extra)
+    elif command == "serve":
+        serve.parser().parse_args(own)
     else:
         pytest.fail(f"{path}: unexpected fairseq-modattn command {command}")
 

@@ -1,0 +1,178 @@
+"""``fairseq-modattn serve`` as a user runs it: start-up errors, 50 concurrent requests on
+loopback, and the page driven in headless Chromium (Debian's chromium + chromium-driver through
+selenium; skipped with the reason when they are not installed)."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_environment
+
+pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")
+pytest.importorskip("plotly", reason="the demo needs plotly: pip install -e '.[demo]'")
+
+MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
+SENTENCE = "Zwei Hunde spielen im Schnee."
+CONCURRENT_REQUESTS = 50
+
+
+def serve_command(checkpoint, data, *extra):
+    return [MODATTN, "serve", "--path", str(checkpoint), "--data", str(data), "--port", "0",
+            "--bpe", "subword_nmt", "--bpe-codes", str(Path(data).parent / "codes"), *extra]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints, multi30k_bin):
+    """A running ``fairseq-modattn serve`` of the tiny DMA model: its base URL."""
+    proc = subprocess.Popen(serve_command(tiny_checkpoints["dma"], multi30k_bin), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cli_environment())
+    lines = []
+    deadline = time.monotonic() + 180
+    url = None
+    while time.monotonic() < deadline and url is None:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        found = re.search(r"serving on (http://127\.0\.0\.1:\d+/)", line)
+        url = found.group(1) if found else None
+    if url is None:
+        proc.kill()
+        pytest.fail("the server did not start:\n" + "".join(lines))
+    yield url
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, rest
+    assert "stopped" in rest
+
+
+def post(url, text, timeout=120):
+    request = urllib.request.Request(url + "translate", data=json.dumps({"text": text}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_start_up_errors_are_one_line_and_exit_1(tiny_checkpoints, multi30k_bin, tmp_path):
+    def run(args):
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=cli_environment())
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        # the error is the last line: importing fairseq 0.12.x may print an INFO line of its
+        # own first (fairseq.tasks.text_to_speech asks for tensorboardX at import time)
+        return proc.stderr.strip().splitlines()[-1]
+
+    error = run(serve_command(tmp_path / "nope.pt", multi30k_bin))
+    assert error.startswith("fairseq-modattn serve: error: checkpoint") and "nope.pt does not exist" in error
+    assert "data-bin" in run([MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(tmp_path / "x")])
+    # the data-bin of the tests holds no subword model, and none was named
+    error = run([MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(multi30k_bin)])
+    assert "no subword model in" in error and "--bpe-codes" in error
+    truncated = tmp_path / "broken.pt"
+    truncated.write_bytes(Path(tiny_checkpoints["dma"]).read_bytes()[:1000])
+    assert "cannot load checkpoint" in run(serve_command(truncated, multi30k_bin))
+
+
+def test_fifty_concurrent_requests_are_all_answered(server):
+    status, first = post(server, SENTENCE)
+    assert status == 200, first
+    sentences = [SENTENCE if i % 2 == 0 else f"Ein Kind spielt mit {i} Bällen." for i in range(CONCURRENT_REQUESTS)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=CONCURRENT_REQUESTS) as pool:
+        answers = list(pool.map(lambda s: post(server, s), sentences))
+    elapsed = time.monotonic() - started
+    print(f"{CONCURRENT_REQUESTS} concurrent requests answered in {elapsed:.1f} s")
+    assert [status for status, _ in answers] == [200] * CONCURRENT_REQUESTS, [a for s, a in answers if s != 200]
+    for sentence, (_, answer) in zip(sentences, answers):
+        assert answer["translation"]
+        if sentence == SENTENCE:  # one model, one lock: the same sentence, the same answer
+            assert answer["translation"] == first["translation"]
+            assert answer["attention"] == first["attention"]
+
+
+def browser_or_skip():
+    """(chromium, chromedriver) paths, or skip naming what is missing."""
+    pytest.importorskip("selenium", reason="the browser test drives Chromium through selenium: pip install selenium")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver") or next(
+        (p for p in ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver") if os.path.exists(p)), None)
+    if not chromium or not driver:
+        pytest.skip("headless Chromium is not installed (Debian: apt-get install chromium chromium-driver; "
+                    ".ci/run installs them when it runs as root)")
+    return chromium, driver
+
+
+def test_the_page_translates_and_draws_the_heatmaps_in_chromium(server, tmp_path):
+    chromium, driver_path = browser_or_skip()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,2200"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    try:
+        wait = WebDriverWait(browser, 60)
+        browser.get(server)
+        wait.until(EC.text_to_be_present_in_element((By.ID, "model-info"), "dma_transformer"))
+
+        # an empty request shows the server's error
+        browser.find_element(By.ID, "translate").click()
+        wait.until(EC.visibility_of_element_located((By.ID, "error")))
+        assert "empty" in browser.find_element(By.ID, "error").text
+
+        browser.find_element(By.ID, "source").send_keys(SENTENCE)
+        browser.find_element(By.ID, "translate").click()
+        wait.until(lambda b: b.find_element(By.ID, "translation").text.strip())
+        assert not browser.find_element(By.ID, "error").is_displayed()
+        translation = browser.find_element(By.ID, "translation").text
+        assert translation
+
+        # the attention heatmap (Plotly draws a heatmap trace as an <image> in its heat-map layer)
+        heat = "#{} .heatmaplayer image"
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, heat.format("attention-heatmap")))
+        title = browser.find_element(By.CSS_SELECTOR, "#attention-heatmap .gtitle").text
+        assert title == "encoder layer 1 self-attention, head 1"
+        Select(browser.find_element(By.ID, "attention-type")).select_by_value("enc_dec")
+        Select(browser.find_element(By.ID, "attention-layer")).select_by_index(1)
+        Select(browser.find_element(By.ID, "attention-head")).select_by_index(2)
+        wait.until(EC.text_to_be_present_in_element(
+            (By.CSS_SELECTOR, "#attention-heatmap .gtitle"), "decoder layer 2 encoder-decoder attention, head 3"))
+        # textContent: selenium's .text is '' for SVG labels it deems hidden (rotated, overlapping)
+        labels = [t.get_attribute("textContent")
+                  for t in browser.find_elements(By.CSS_SELECTOR, "#attention-heatmap .xtick text")]
+        assert labels and labels[-1] == "</s>" and "hun" in "".join(labels), labels  # the source, as BPE split it
+
+        # the DMA views: cluster probabilities and the semantic mask
+        assert browser.find_element(By.ID, "dma-view").is_displayed()
+        for plot in ("dma-clusters", "dma-mask"):
+            wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, heat.format(plot)))
+        assert "γ = " in browser.find_element(By.ID, "dma-gamma").text
+        assert not browser.find_element(By.ID, "tim-view").is_displayed()
+
+        screenshot = tmp_path / "demo.png"
+        browser.save_screenshot(str(screenshot))
+        keep = os.environ.get("FAIRSEQ_MODATTN_SCREENSHOT")
+        if keep:
+            shutil.copy(screenshot, keep)
+        assert screenshot.stat().st_size > 10000
+        print(f"screenshot: {keep or screenshot}; translation: {translation}")
+    finally:
+        browser.quit()

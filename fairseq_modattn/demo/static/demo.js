@@ -22,7 +22,9 @@ function heatmap(element, z, rowTokens, columnTokens, title, options = {}) {
   };
   const height = Math.max(320, 80 + 18 * rowTokens.length);
   const layout = {
-    title: { text: title, font: { size: 14 } }, height, margin: { l: 110, r: 20, t: 40, b: 110 },
+    // the title sits just above the plot area, below the mode bar that Plotly draws in the top margin
+    title: { text: title, font: { size: 14 }, yref: "paper", y: 1, yanchor: "bottom", pad: { b: 8 } },
+    height: height + 30, margin: { l: 110, r: 20, t: 70, b: 110 },
     yaxis: { tickvals: rows, ticktext: rowTokens.map(plotlyText), autorange: "reversed", automargin: true },
     xaxis: columnTokens
       ? { tickvals: columns, ticktext: columnTokens.map(plotlyText), tickangle: -60, automargin: true }

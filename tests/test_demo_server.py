@@ -115,7 +115,45 @@ def browser_or_skip():
     return chromium, driver
 
 
-def test_the_page_translates_and_draws_the_heatmaps_in_chromium(server, tmp_path):
+# The colour of a plot's value 0 as Plotly drew it (after Plotly's own defaults: an unknown
+# colour-scale name silently becomes its default scale), and the lightness of a colour.
+ZERO_COLOUR = "return document.getElementById(arguments[0])._fullData[0].colorscale[0][1];"
+
+
+def lightness(colour: str) -> float:
+    """0 (black) to 1 (white) for a colour Plotly writes: #rrggbb or rgb(r, g, b)."""
+    if colour.startswith("#"):
+        channels = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    else:
+        channels = [float(v) for v in re.findall(r"[\d.]+", colour)[:3]]
+    return (max(channels) + min(channels)) / 2 / 255
+
+
+def tick_labels(browser, plot, axis):
+    from selenium.webdriver.common.by import By
+
+    # textContent: selenium's .text is '' for SVG labels it deems hidden (rotated, overlapping)
+    return [t.get_attribute("textContent")
+            for t in browser.find_elements(By.CSS_SELECTOR, f"#{plot} .{axis}tick text")]
+
+
+@pytest.fixture(scope="module")
+def method_answers(tiny_checkpoints, multi30k_bin):
+    """The API's answers of the tiny TIM and RIM-LSTM models to SENTENCE (Flask's test client)."""
+    from fairseq_modattn.demo.app import create_app
+    from fairseq_modattn.demo.translator import Translator
+
+    answers = {}
+    for family in ("tim", "rim"):
+        translator = Translator(tiny_checkpoints[family], multi30k_bin, bpe="subword_nmt",
+                                bpe_codes=Path(multi30k_bin).parent / "codes", max_len_b=20)
+        response = create_app(translator).test_client().post("/translate", json={"text": SENTENCE})
+        assert response.status_code == 200, response.get_json()
+        answers[family] = response.get_json()
+    return answers
+
+
+def test_the_page_translates_and_draws_the_heatmaps_in_chromium(server, method_answers, tmp_path):
     chromium, driver_path = browser_or_skip()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -128,6 +166,23 @@ def test_the_page_translates_and_draws_the_heatmaps_in_chromium(server, tmp_path
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,2200"):
         options.add_argument(flag)
     browser = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    keep = os.environ.get("FAIRSEQ_MODATTN_SCREENSHOTS")  # a folder to keep the screenshots in
+
+    def screenshot(name):
+        path = tmp_path / f"demo-{name}.png"
+        browser.save_screenshot(str(path))
+        assert path.stat().st_size > 10000
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, Path(keep) / path.name)
+        print(f"screenshot: {Path(keep) / path.name if keep else path}")
+
+    def title(plot):
+        return browser.find_element(By.CSS_SELECTOR, f"#{plot} .gtitle").text
+
+    def x_title(plot):
+        return browser.find_element(By.CSS_SELECTOR, f"#{plot} .g-xtitle").get_attribute("textContent")
+
     try:
         wait = WebDriverWait(browser, 60)
         browser.get(server)
@@ -148,31 +203,44 @@ def test_the_page_translates_and_draws_the_heatmaps_in_chromium(server, tmp_path
         # the attention heatmap (Plotly draws a heatmap trace as an <image> in its heat-map layer)
         heat = "#{} .heatmaplayer image"
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, heat.format("attention-heatmap")))
-        title = browser.find_element(By.CSS_SELECTOR, "#attention-heatmap .gtitle").text
-        assert title == "encoder layer 1 self-attention, head 1"
+        assert title("attention-heatmap") == "encoder layer 1 self-attention, head 1"
         Select(browser.find_element(By.ID, "attention-type")).select_by_value("enc_dec")
         Select(browser.find_element(By.ID, "attention-layer")).select_by_index(1)
         Select(browser.find_element(By.ID, "attention-head")).select_by_index(2)
         wait.until(EC.text_to_be_present_in_element(
             (By.CSS_SELECTOR, "#attention-heatmap .gtitle"), "decoder layer 2 encoder-decoder attention, head 3"))
-        # textContent: selenium's .text is '' for SVG labels it deems hidden (rotated, overlapping)
-        labels = [t.get_attribute("textContent")
-                  for t in browser.find_elements(By.CSS_SELECTOR, "#attention-heatmap .xtick text")]
-        assert labels and labels[-1] == "</s>" and "hun" in "".join(labels), labels  # the source, as BPE split it
+        source_labels = tick_labels(browser, "attention-heatmap", "x")
+        assert source_labels[-1] == "</s>" and "hun" in "".join(source_labels), source_labels  # as BPE split it
+        # weight 0 is drawn (nearly) white: Plotly's own "Blues" is dark blue at 0
+        assert lightness(browser.execute_script(ZERO_COLOUR, "attention-heatmap")) > 0.9
 
-        # the DMA views: cluster probabilities and the semantic mask
+        # the DMA views: cluster probabilities of the queries, then of the keys, and the semantic mask
         assert browser.find_element(By.ID, "dma-view").is_displayed()
         for plot in ("dma-clusters", "dma-mask"):
             wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, heat.format(plot)))
         assert "γ = " in browser.find_element(By.ID, "dma-gamma").text
+        assert x_title("dma-clusters") == "cluster" and tick_labels(browser, "dma-clusters", "x")[0] == "1"
+        Select(browser.find_element(By.ID, "dma-type")).select_by_value("enc_dec")
+        Select(browser.find_element(By.ID, "dma-side")).select_by_value("keys")
+        wait.until(EC.text_to_be_present_in_element((By.CSS_SELECTOR, "#dma-clusters .gtitle"), "of the keys"))
+        assert tick_labels(browser, "dma-clusters", "y") == source_labels  # keys of enc-dec: the source
         assert not browser.find_element(By.ID, "tim-view").is_displayed()
+        screenshot("dma")
 
-        screenshot = tmp_path / "demo.png"
-        browser.save_screenshot(str(screenshot))
-        keep = os.environ.get("FAIRSEQ_MODATTN_SCREENSHOT")
-        if keep:
-            shutil.copy(screenshot, keep)
-        assert screenshot.stat().st_size > 10000
-        print(f"screenshot: {keep or screenshot}; translation: {translation}")
+        # TIM's and RIM-LSTM's answers drawn by the same page (show() is the page's own renderer)
+        for family, plot, axis_title in (("tim", "tim-heatmap", "mechanism"), ("rim", "rim-heatmap", "RIM")):
+            answer = method_answers[family]
+            browser.execute_script("show(arguments[0]);", answer)
+            assert browser.find_element(By.ID, f"{family}-view").is_displayed()
+            assert not browser.find_element(By.ID, "dma-view").is_displayed()
+            wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, heat.format(plot)))
+            assert x_title(plot) == axis_title
+            assert lightness(browser.execute_script(ZERO_COLOUR, plot)) > 0.9
+            first_layer = answer[family][0]
+            rows = answer["target_tokens"] if first_layer.get("side") == "decoder" else answer["source_tokens"]
+            assert len(tick_labels(browser, plot, "y")) == len(rows)
+            assert title(plot).endswith(first_layer["layer"])
+            screenshot(family)
+        print(f"translation: {translation}")
     finally:
         browser.quit()

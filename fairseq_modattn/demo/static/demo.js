@@ -12,13 +12,27 @@ let result = null;
 // Plotly reads tick texts as its subset of HTML: "</s>" would be an (empty) closing tag.
 const plotlyText = (token) => token.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
+// Colour scales from white (0) to a dark hue (the largest value). Plotly's named "Blues" and
+// "Greens" run the other way (dark at 0), and a name Plotly does not know falls back silently.
+const SCALES = {
+  attention: [[0, "#f7fbff"], [0.35, "#9ecae1"], [0.7, "#3182bd"], [1, "#08306b"]],
+  competition: [[0, "#fff5eb"], [0.35, "#fdae6b"], [0.7, "#e6550d"], [1, "#7f2704"]],
+  activation: [[0, "#f7fcf5"], [0.35, "#a1d99b"], [0.7, "#31a354"], [1, "#00441b"]],
+};
+
 // Token labels as tick texts on numeric axes: a categorical axis would merge repeated tokens.
+// Without column tokens the columns are numbered from 1 (clusters, mechanisms, RIMs).
 function heatmap(element, z, rowTokens, columnTokens, title, options = {}) {
   const rows = rowTokens.map((_, i) => i);
-  const columns = columnTokens ? columnTokens.map((_, i) => i) : undefined;
+  const columns = columnTokens ? columnTokens.map((_, i) => i) : z[0].map((_, i) => i + 1);
   const trace = {
-    type: "heatmap", z, colorscale: options.colorscale || "Blues", zmin: 0, zmax: options.zmax ?? 1,
-    x: columns, y: rows, hovertemplate: options.hover || "%{z:.3f}<extra></extra>",
+    type: "heatmap", z, colorscale: options.colorscale || SCALES.attention, zmin: 0,
+    zmax: options.zmax ?? (z.flat().reduce((a, b) => Math.max(a, b), 0) || 1),
+    x: columns, y: rows,
+    // the hover names the tokens ("%{y}" would be the row number)
+    text: rowTokens.map((r) => columns.map((c) => columnTokens
+      ? `${plotlyText(r)} → ${plotlyText(columnTokens[c])}` : `${plotlyText(r)}, ${options.xTitle} ${c}`)),
+    hovertemplate: "%{text}: %{z:.3f}<extra></extra>",
   };
   const height = Math.max(320, 80 + 18 * rowTokens.length);
   const layout = {
@@ -28,7 +42,7 @@ function heatmap(element, z, rowTokens, columnTokens, title, options = {}) {
     yaxis: { tickvals: rows, ticktext: rowTokens.map(plotlyText), autorange: "reversed", automargin: true },
     xaxis: columnTokens
       ? { tickvals: columns, ticktext: columnTokens.map(plotlyText), tickangle: -60, automargin: true }
-      : { title: options.xTitle || "", dtick: 1, automargin: true },
+      : { title: { text: options.xTitle || "" }, dtick: 1, automargin: true },  // a bare string: dropped since plotly.js 3
   };
   Plotly.react(element, [trace], layout, { responsive: true, displaylogo: false });
 }
@@ -73,23 +87,26 @@ function drawDma() {
   const head = Number($("dma-head").value);
   const [rows, columns] = axes(kind);
   $("dma-gamma").textContent = `mask weight at inference γ = ${layer.gamma.toFixed(3)}`;
-  heatmap($("dma-clusters"), layer.query_posteriors[head], rows, null, `cluster probabilities, head ${head + 1}`,
-          { colorscale: "Viridis", xTitle: "cluster", hover: "cluster %{x}: %{z:.3f}<extra></extra>" });
+  // the query tokens' posteriors P^q are the rows of M, the key tokens' P^k its columns
+  const keys = $("dma-side").value === "keys";
+  heatmap($("dma-clusters"), keys ? layer.key_posteriors[head] : layer.query_posteriors[head], keys ? columns : rows,
+          null, `cluster probabilities of the ${keys ? "keys" : "queries"}, head ${head + 1}`,
+          { colorscale: "Viridis", zmax: 1, xTitle: "cluster" });
   heatmap($("dma-mask"), layer.mask[head], rows, columns, `semantic mask M, ${layer.layer}, head ${head + 1}`,
-          { colorscale: "Viridis" });
+          { colorscale: "Viridis", zmax: 1 });
 }
 
 function drawTim() {
   const layer = result.tim[Number($("tim-layer").value)];
   const rows = layer.side === "encoder" ? result.source_tokens : result.target_tokens;
   heatmap($("tim-heatmap"), layer.competition, rows, null, `competition, ${layer.layer}`,
-          { colorscale: "Oranges", xTitle: "mechanism", hover: "mechanism %{x}: %{z:.3f}<extra></extra>" });
+          { colorscale: SCALES.competition, zmax: 1, xTitle: "mechanism" });
 }
 
 function drawRim() {
   const layer = result.rim[Number($("rim-layer").value)];
   heatmap($("rim-heatmap"), layer.activation, result.source_tokens, null, `activation, ${layer.layer}`,
-          { colorscale: "Greens", xTitle: "RIM", hover: "RIM %{x}: %{z:.2f}<extra></extra>" });
+          { colorscale: SCALES.activation, zmax: 1, xTitle: "RIM" });
 }
 
 function show(data) {
@@ -163,7 +180,7 @@ async function describeModel() {
 $("translate").addEventListener("click", translate);
 $("source").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) translate(); });
 for (const id of ["attention-type", "attention-layer", "attention-head"]) $(id).addEventListener("change", drawAttention);
-for (const id of ["dma-type", "dma-layer", "dma-head"]) $(id).addEventListener("change", drawDma);
+for (const id of ["dma-type", "dma-layer", "dma-head", "dma-side"]) $(id).addEventListener("change", drawDma);
 $("tim-layer").addEventListener("change", drawTim);
 $("rim-layer").addEventListener("change", drawRim);
 describeModel();

@@ -1,5 +1,5 @@
 """The demo's JSON API (Flask's test client) on tiny trained models of every family: the
-translation is fairseq-generate's, the views have the shapes and the math they claim, and bad
+translation is fairseq-interactive's, the views have the shapes and the math they claim, and bad
 input gets a clear JSON error."""
 
 import re
@@ -120,27 +120,29 @@ def test_tim_competition_and_rim_activation(clients):
         np.testing.assert_allclose(a.sum(-1), 4.0, atol=1e-6)
 
 
-def generate_hypotheses(checkpoint, data, limit, max_len_b):
-    """{source subwords: hypothesis subwords} of fairseq-generate (beam 5, one sentence a batch)."""
-    _, out = run_cli([fairseq_cli("fairseq-generate"), data, "--user-dir", PLUGIN, "--path", checkpoint,
-                      "--gen-subset", "test", "--beam", "5", "--batch-size", "1", "--max-len-b", str(max_len_b),
-                      "--cpu"])
-    sources = dict(re.findall(r"^S-(\d+)\t(.*)$", out, re.M))
-    hypotheses = {i: h for i, _, h in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", out, re.M)}
-    ids = sorted(sources, key=int)[:limit]
-    return {sources[i]: hypotheses[i] for i in ids}
+def interactive_hypotheses(checkpoint, data, sources, max_len_b):
+    """Hypothesis subwords of fairseq-interactive for SOURCES (subword lines; beam 5, one
+    sentence a batch), in input order."""
+    _, out = run_cli([fairseq_cli("fairseq-interactive"), data, "--user-dir", PLUGIN, "--path", checkpoint,
+                      "--source-lang", "de", "--target-lang", "en", "--beam", "5", "--batch-size", "1",
+                      "--buffer-size", "1", "--max-len-b", str(max_len_b), "--cpu"],
+                     input_text="".join(line + "\n" for line in sources))
+    hypotheses = {int(i): h for i, _, h in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", out, re.M)}
+    assert sorted(hypotheses) == list(range(len(sources))), out[-2000:]
+    return [hypotheses[i] for i in range(len(sources))]
 
 
 @pytest.mark.parametrize("family", ["dma", "tim"])
-def test_translation_is_exactly_fairseq_generates(tiny_checkpoints, multi30k_bin, family):
-    # the tiny DMA model repeats a word until the length limit in most of these sentences; a
-    # limit of 40 tokens on both sides (not the default 200) keeps the test four times shorter,
-    # and the hypotheses cut by the limit check that both sides stop at the same length
+def test_translation_is_exactly_fairseq_interactives(tiny_checkpoints, multi30k_bin, family):
+    # the first 25 test sentences as conftest split them into subwords. The tiny DMA model
+    # repeats a word until the length limit in most of them; a limit of 40 tokens on both sides
+    # (not the default 200) keeps the test short, and the hypotheses cut by the limit check that
+    # both sides stop at the same length
+    sources = (multi30k_bin.parent / "test.bpe.de").read_text(encoding="utf-8").splitlines()[:25]
     translator = Translator(tiny_checkpoints[family], multi30k_bin, bpe="subword_nmt",
                             bpe_codes=codes_of(multi30k_bin), max_len_b=40)
-    expected = generate_hypotheses(tiny_checkpoints[family], multi30k_bin, limit=25, max_len_b=40)
-    assert len(expected) == 25
-    for source, hypothesis in expected.items():
+    expected = interactive_hypotheses(tiny_checkpoints[family], multi30k_bin, sources, max_len_b=40)
+    for source, hypothesis in zip(sources, expected):
         assert " ".join(translator.subword_translation(source)) == hypothesis, source
 
 

@@ -35,7 +35,10 @@ def serve_command(checkpoint, data, *extra):
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints, multi30k_bin):
     """A running ``fairseq-modattn serve`` of the tiny DMA model: its base URL."""
-    proc = subprocess.Popen(serve_command(tiny_checkpoints["dma"], multi30k_bin), stdout=subprocess.PIPE,
+    # --max-len-b 40: the tiny model repeats a word up to the length limit; 200-token answers
+    # would only make the load test slower
+    proc = subprocess.Popen(serve_command(tiny_checkpoints["dma"], multi30k_bin, "--max-len-b", "40"),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=cli_environment())
     lines = []
     deadline = time.monotonic() + 180

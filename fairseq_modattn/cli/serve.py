@@ -56,7 +56,7 @@ def serve(argv: List[str]) -> int:
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 1
 
-    # checked before the slow imports, so that a typo fails at once
+    # checked before Flask and the checkpoint are loaded, so that a typo fails within seconds
     if not args.path.is_file():
         return fail(f"checkpoint {args.path} does not exist (pass the .pt file fairseq-train saved)")
     if not args.data.is_dir():

@@ -67,6 +67,12 @@ def iwslt_dir(pytestconfig) -> Path:
     return shared_corpus(pytestconfig, "iwslt16-de-en-dev", "IWSLT16.TED.dev2010.de-en.de.xml", "IWSLT dev XML")
 
 
+def bpe_codes(data_bin) -> Path:
+    """The subword-nmt codes ``multi30k_bin`` learned, beside the data-bin (the tests' data-bin
+    holds no subword model of its own)."""
+    return Path(data_bin).parent / "codes"
+
+
 @pytest.fixture(scope="session")
 def multi30k_bin(multi30k_dir, tmp_path_factory) -> Path:
     """A de-en data-bin of 500/100/300 real Multi30k sentence pairs with an 800-merge BPE."""

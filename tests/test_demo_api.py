@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import PLUGIN, fairseq_cli, run_cli
+from conftest import PLUGIN, bpe_codes, fairseq_cli, run_cli
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")
 pytest.importorskip("plotly", reason="the demo needs plotly: pip install -e '.[demo]'")
@@ -19,13 +19,9 @@ SENTENCE = "Ein Mann mit einem roten Hut läuft über die Straße."
 ROUNDING = 2e-4 * 64  # the API rounds to 4 decimals; a row sums up to 64 rounded numbers
 
 
-def codes_of(multi30k_bin):
-    return multi30k_bin.parent / "codes"  # conftest's BPE codes, beside the data-bin
-
-
 @pytest.fixture(scope="module")
 def translators(tiny_checkpoints, multi30k_bin):
-    return {family: Translator(path, multi30k_bin, bpe="subword_nmt", bpe_codes=codes_of(multi30k_bin))
+    return {family: Translator(path, multi30k_bin, bpe="subword_nmt", bpe_codes=bpe_codes(multi30k_bin))
             for family, path in tiny_checkpoints.items()}
 
 
@@ -140,7 +136,7 @@ def test_translation_is_exactly_fairseq_interactives(tiny_checkpoints, multi30k_
     # both sides stop at the same length
     sources = (multi30k_bin.parent / "test.bpe.de").read_text(encoding="utf-8").splitlines()[:25]
     translator = Translator(tiny_checkpoints[family], multi30k_bin, bpe="subword_nmt",
-                            bpe_codes=codes_of(multi30k_bin), max_len_b=40)
+                            bpe_codes=bpe_codes(multi30k_bin), max_len_b=40)
     expected = interactive_hypotheses(tiny_checkpoints[family], multi30k_bin, sources, max_len_b=40)
     for source, hypothesis in zip(sources, expected):
         assert " ".join(translator.subword_translation(source)) == hypothesis, source
@@ -169,7 +165,7 @@ def test_bad_input_gets_a_clear_json_error(clients, translators, tiny_checkpoint
     assert r["translation"] and {"☃", "🐕"} <= set(r["unknown_tokens"])
 
     # the model's source positions bound the subword tokens, whatever --max-chars allows
-    roomy = Translator(tiny_checkpoints["dma"], multi30k_bin, bpe="subword_nmt", bpe_codes=codes_of(multi30k_bin),
+    roomy = Translator(tiny_checkpoints["dma"], multi30k_bin, bpe="subword_nmt", bpe_codes=bpe_codes(multi30k_bin),
                        max_chars=10000)
     limit = roomy.info()["max_source_tokens"]
     error = translate(create_app(roomy).test_client(), "ein " * (limit + 1), 413)["error"]

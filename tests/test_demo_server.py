@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_environment
+from conftest import bpe_codes, cli_environment
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")
 pytest.importorskip("plotly", reason="the demo needs plotly: pip install -e '.[demo]'")
@@ -29,7 +29,7 @@ CONCURRENT_REQUESTS = 50
 
 def serve_command(checkpoint, data, *extra):
     return [MODATTN, "serve", "--path", str(checkpoint), "--data", str(data), "--port", "0",
-            "--bpe", "subword_nmt", "--bpe-codes", str(Path(data).parent / "codes"), *extra]
+            "--bpe", "subword_nmt", "--bpe-codes", str(bpe_codes(data)), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def method_answers(tiny_checkpoints, multi30k_bin):
     answers = {}
     for family in ("tim", "rim"):
         translator = Translator(tiny_checkpoints[family], multi30k_bin, bpe="subword_nmt",
-                                bpe_codes=Path(multi30k_bin).parent / "codes", max_len_b=20)
+                                bpe_codes=bpe_codes(multi30k_bin), max_len_b=20)
         response = create_app(translator).test_client().post("/translate", json={"text": SENTENCE})
         assert response.status_code == 200, response.get_json()
         answers[family] = response.get_json()

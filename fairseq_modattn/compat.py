@@ -49,6 +49,19 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    multi-GPU or multi-node run can be resumed. The bytes are not a file: rank 0 of the same
    job produced them a moment earlier from a checkpoint it has already loaded with the safe
    loader (fix 2), so the receiving side unpickles them with ``weights_only=False``.
+
+6. fairseq 0.12 ``distributed_utils.distributed_main`` ends every rank with a barrier and returns
+   without ``torch.distributed.destroy_process_group()``, so the gloo process groups (CPU
+   training) are torn down by the interpreter's own exit, and a rank can then abort with
+   "terminate called without an active exception" (SIGABRT, exit status 134) after training
+   has finished and its checkpoints are written: the job looks failed to its launcher. It
+   happened to rank 1 of a 2-rank ``fairseq-train`` in this package's CI (torch 2.13); two gloo
+   ranks that all-reduce and exit without destroying the group abort in about one job in ten
+   here (12 of 100), none of 40 when the group is destroyed first (torch's documented rule for a
+   normal exit; pytorch/pytorch PR #179291 describes the teardown). Once fairseq's closing
+   barrier has returned, no collective is pending on any rank, and we destroy the groups
+   there; a rank that raises is left as fairseq leaves it, since destroying a group with work
+   in flight can block.
 """
 
 import argparse
@@ -229,3 +242,26 @@ _FAIRSEQ_BROADCAST_OBJECT_SLOW = getattr(distributed_utils, "_broadcast_object_s
 # broadcast_object and broadcast_tensors look it up as a module global at call time.
 if _FAIRSEQ_BROADCAST_OBJECT_SLOW is not None and _unpickles_with_default_loader(_FAIRSEQ_BROADCAST_OBJECT_SLOW):
     distributed_utils._broadcast_object_slow = broadcast_pickled_object
+
+
+# ------------------------------------------------------------------ 6. destroy the process group
+def distributed_main_destroying_group(i, main, cfg, kwargs):
+    """fairseq's ``distributed_main`` (fix 6), then ``destroy_process_group`` once it returned
+    past its closing barrier. Module-level so ``torch.multiprocessing.spawn`` can pickle it."""
+    _FAIRSEQ_DISTRIBUTED_MAIN(i, main, cfg, kwargs)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _leaves_group_alive(distributed_main) -> bool:
+    try:
+        source = inspect.getsource(distributed_main)
+    except (OSError, TypeError):
+        return False
+    return "destroy_process_group" not in source
+
+
+_FAIRSEQ_DISTRIBUTED_MAIN = distributed_utils.distributed_main
+# call_main calls (or spawns) it through its module global at call time.
+if getattr(_FAIRSEQ_DISTRIBUTED_MAIN, "__module__", "") != __name__ and _leaves_group_alive(_FAIRSEQ_DISTRIBUTED_MAIN):
+    distributed_utils.distributed_main = distributed_main_destroying_group

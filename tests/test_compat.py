@@ -108,3 +108,40 @@ def test_fairseq_state_needs_the_full_unpickler():
         torch.load(io.BytesIO(pickled.getvalue()))
     if compat._unpickles_with_default_loader(compat._FAIRSEQ_BROADCAST_OBJECT_SLOW):
         assert distributed_utils._broadcast_object_slow is compat.broadcast_pickled_object
+
+
+# ------------------------------------------------------------------ 6. destroy the process group
+def test_a_rank_leaves_no_process_group_behind():
+    """fairseq's distributed_main, as call_main runs it, on a one-rank gloo group: training
+    (here a stand-in ``main``) runs inside the group, and the group is gone afterwards, so the
+    interpreter never tears gloo's threads down itself (the abort fix 6 prevents)."""
+    import pickle
+    import socket
+
+    from fairseq.dataclass.configs import FairseqConfig
+    from fairseq.distributed import utils as distributed_utils
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = FairseqConfig()
+    cfg.common.cpu = True
+    cfg.distributed_training.distributed_backend = "gloo"
+    cfg.distributed_training.distributed_init_method = f"tcp://127.0.0.1:{port}"
+    cfg.distributed_training.distributed_world_size = 1
+    cfg.distributed_training.distributed_rank = 0
+    seen = []
+
+    def main(cfg):
+        seen.append((torch.distributed.is_initialized(), torch.distributed.get_world_size()))
+
+    assert not torch.distributed.is_initialized()
+    try:
+        distributed_utils.distributed_main(0, main, cfg, {})
+        assert seen == [(True, 1)]
+        assert not torch.distributed.is_initialized()
+    finally:  # a failure here must not leave the group to the tests that follow
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    # torch.multiprocessing.spawn (fairseq's path on GPUs) pickles the function by name
+    assert pickle.loads(pickle.dumps(distributed_utils.distributed_main)) is distributed_utils.distributed_main

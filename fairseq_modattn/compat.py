@@ -79,12 +79,18 @@ from fairseq.distributed import utils as distributed_utils
 logger = logging.getLogger(__name__)
 
 
+def _source_of(function) -> str:
+    """The installed fairseq function's source, which each fix reads to see whether the
+    behaviour it corrects is there; "" where it cannot be read (no fix is applied then)."""
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
 # ------------------------------------------------------------------ 1. keep the last batch
 def _drops_last_batch(batch_by_size) -> bool:
-    try:
-        return "b = b[:-1]" in inspect.getsource(batch_by_size)
-    except (OSError, TypeError):
-        return False
+    return "b = b[:-1]" in _source_of(batch_by_size)
 
 
 def batch_by_size_keeping_all(
@@ -185,17 +191,11 @@ def infer_init_method_from_torchrun(cfg, force_distributed=False):
 
 
 def _divides_by_cuda_count(launch_init) -> bool:
-    try:
-        return "% torch.cuda.device_count()" in inspect.getsource(launch_init)
-    except (OSError, TypeError):
-        return False
+    return "% torch.cuda.device_count()" in _source_of(launch_init)
 
 
 def _returns_before_torchrun(infer_init_method) -> bool:
-    try:
-        source = inspect.getsource(infer_init_method)
-    except (OSError, TypeError):
-        return False
+    source = _source_of(infer_init_method)
     early, torchrun = source.find("distributed_world_size == 1"), source.find('"WORLD_SIZE"')
     return 0 <= early < torchrun
 
@@ -231,10 +231,7 @@ def broadcast_pickled_object(obj, src_rank, group, dist_device):
 
 
 def _unpickles_with_default_loader(broadcast_slow) -> bool:
-    try:
-        source = inspect.getsource(broadcast_slow)
-    except (OSError, TypeError):
-        return False
+    source = _source_of(broadcast_slow)
     return "torch.load(" in source and "weights_only" not in source
 
 
@@ -254,14 +251,11 @@ def distributed_main_destroying_group(i, main, cfg, kwargs):
 
 
 def _leaves_group_alive(distributed_main) -> bool:
-    try:
-        source = inspect.getsource(distributed_main)
-    except (OSError, TypeError):
-        return False
-    return "destroy_process_group" not in source
+    source = _source_of(distributed_main)  # this module's wrapper says destroy_process_group
+    return bool(source) and "destroy_process_group" not in source
 
 
 _FAIRSEQ_DISTRIBUTED_MAIN = distributed_utils.distributed_main
 # call_main calls (or spawns) it through its module global at call time.
-if getattr(_FAIRSEQ_DISTRIBUTED_MAIN, "__module__", "") != __name__ and _leaves_group_alive(_FAIRSEQ_DISTRIBUTED_MAIN):
+if _leaves_group_alive(_FAIRSEQ_DISTRIBUTED_MAIN):
     distributed_utils.distributed_main = distributed_main_destroying_group

@@ -18,8 +18,11 @@ SMALL_DMA = [
     "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
     "--dma-anneal-rate", "0.05",
 ]
+# The criterion goes by the name the DMA authors' code gives it (an alias of
+# label_smoothed_cross_entropy_with_aux, which the other CLI tests use), so that a real
+# fairseq-train run exercises the alias.
 TRAIN = [
-    "--user-dir", PLUGIN, "--criterion", "label_smoothed_cross_entropy_with_aux",
+    "--user-dir", PLUGIN, "--criterion", "disentangled_label_smoothed_cross_entropy",
     "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "5e-4", "--dropout", "0.1",
     "--max-tokens", "1000", "--log-format", "simple", "--no-progress-bar", "--cpu", "--seed", "7",
     "--num-workers", "0",
@@ -48,8 +51,9 @@ def test_train_logs_every_loss_term(trained):
     for row in list(inner.values()) + list(valid.values()):
         for key in AUX_KEYS + ("loss", "nll_loss"):
             assert key in row, (key, row)
-    assert inner[1]["gamma"] < inner[8]["gamma"] <= 0.5  # annealed by update count
-    assert all(r["dqq"] >= 0 and r["kl"] > 0 for r in inner.values())  # L_Dqq clamps each head pair at 0
+    assert inner[1]["gamma"] < inner[8]["gamma"] <= 0.9  # annealed by update count towards alpha
+    # the authors' L_Dqq, -log(1 - p), is >= -log(1 + 1e-6), which the log rounds to 0
+    assert all(r["dqq"] >= 0 and r["kl"] > 0 for r in inner.values())
     assert any(r["dqq"] > 0 for r in inner.values())
 
 

@@ -3,16 +3,24 @@
     L = CE_ls + c_kl KL + c_qq L_Dqq - c_xq L_Dxq + c_dv L_dv          (DMA paper, Eq. 15)
 
 The model puts the terms in its decoder output's ``extra`` dict: ``aux_losses`` (name ->
-scalar mean per token or sentence, see ``modules/mi_bounds.py``) and ``aux_loss_weights``
-(name -> signed weight; the architecture holds the paper's values). fairseq sums CE over
-target tokens and divides the gradient by ``sample_size``, so each aux term enters the loss
-multiplied by ``sample_size``: the weights are per target token and do not depend on the
-batch size. Models without aux terms (a plain transformer) train with plain label-smoothed CE.
+scalar), ``aux_loss_weights`` (name -> signed weight; the architecture holds the paper's
+values) and ``aux_reduction``. fairseq sums CE over target tokens and divides the gradient by
+``sample_size``, so
+
+    * "mean" (default): each aux term is a mean (per token or sentence, see
+      ``modules/mi_bounds.py``) and enters the loss multiplied by ``sample_size``: the weights
+      are per target token and do not depend on the batch size;
+    * "sum": each aux term is already a sum over the batch's sentences (the DMA authors'
+      reduction) and enters the loss as it is, so it is divided by ``sample_size`` together
+      with the cross-entropy.
+
+Models without aux terms (a plain transformer) train with plain label-smoothed CE.
 
 Logged every interval and in validation (all ranks emit every key, 0 when absent):
     loss, nll_loss   fairseq's (base 2, per token)
     ce_loss          the label-smoothed cross-entropy alone (base 2, per token)
-    kl, dqq, dxq, div the unweighted aux terms (nats)
+    kl, dqq, dxq, div the unweighted aux terms (nats, per sample_size unit: with the "sum"
+                      reduction the sentence sums divided by the target tokens)
     gamma            the DMA mask interpolation weight in force
 """
 
@@ -48,10 +56,14 @@ class LabelSmoothedCrossEntropyWithAuxCriterion(LabelSmoothedCrossEntropyCriteri
         unknown = set(aux) - set(weights)
         if unknown:
             raise KeyError(f"the model reports aux losses {sorted(unknown)} without a weight")
+        reduction = extra.get("aux_reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"the model reports aux_reduction {reduction!r}; expected 'mean' or 'sum'")
+        scale = sample_size if reduction == "mean" else 1
         loss = ce_loss
         for name, value in aux.items():
             if weights[name] != 0.0:
-                loss = loss + weights[name] * value * sample_size
+                loss = loss + weights[name] * value * scale
 
         logging_output = {
             "loss": loss.data,
@@ -63,7 +75,7 @@ class LabelSmoothedCrossEntropyWithAuxCriterion(LabelSmoothedCrossEntropyCriteri
             "gamma": float(extra.get("dma_gamma", 0.0)) * sample_size,
         }
         for name in AUX_LOG_KEYS:
-            logging_output[name] = aux[name].data * sample_size if name in aux else 0.0
+            logging_output[name] = aux[name].data * scale if name in aux else 0.0
         if self.report_accuracy:
             n_correct, total = self.compute_accuracy(model, net_output, sample)
             logging_output["n_correct"] = utils.item(n_correct.data)
@@ -85,3 +97,9 @@ class LabelSmoothedCrossEntropyWithAuxCriterion(LabelSmoothedCrossEntropyCriteri
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
         return True
+
+
+@register_criterion("disentangled_label_smoothed_cross_entropy", dataclass=LabelSmoothedCrossEntropyWithAuxConfig)
+class DisentangledLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyWithAuxCriterion):
+    """The name the DMA authors' code registers its criterion under, for their commands; the
+    same criterion as ``label_smoothed_cross_entropy_with_aux``."""

@@ -15,8 +15,35 @@ and 6; 6 + 6 layers, c_kl = 0.01 everywhere) as named architectures:
     dma_transformer (base)          512/2048  8     100  10   10     4
     =============================== ========= ===== ==== ==== ====== ===
 
-The model returns its regularisers in the decoder's ``extra`` dict (``aux_losses``: module
-averages of KL, L_Dqq, L_Dxq, L_dv; ``aux_loss_weights``: their signed weights) for the
+The weights are Table 5's, and they multiply the objective the authors trained with
+(``--dma-objective authors``, the default of every named architecture): each regulariser is
+taken per sentence, summed over the batch's sentences, averaged over the layers of each
+attention type and summed over the three types, then divided by the number of target tokens
+together with the cross-entropy (``--dma-loss-reduction sentence``); L_Dqq is the bounded
+-log(1 - p) form (``--dma-qq-form bounded``), L_dv the entrywise mean (``--dma-div-form
+entrywise``), alpha = 0.9, s^2 = 0.01, and the training sample feeds the attention
+(``--dma-sample-inputs attention``). ``--dma-objective paper`` gives the reading of the paper's
+text instead (per-token means over all modules, CLUB L_Dqq, Eq. 14's L_dv, alpha 0.5, s^2 0.1,
+the sample seen by the token GMM only); every flag can also be set on its own.
+
+=================== ============ ===========
+flag                authors      paper
+=================== ============ ===========
+--dma-loss-reduction sentence    token
+--dma-qq-form       bounded      club
+--dma-div-form      entrywise    paper
+--dma-alpha         0.9          0.5
+--dma-noise-var     0.01         0.1
+--dma-sample-inputs attention    gmm
+=================== ============ ===========
+
+The four places where the authors' code is wrong stay fixed in both: the KL is VaDE's
+KL(q(z, c | x) || p(z, c)) (their code has KL(pi || P)), padded tokens enter no term, decoder
+self-attention respects key padding, and the query GMM clusters q (theirs: q / sqrt(d)).
+
+The model returns its regularisers in the decoder's ``extra`` dict (``aux_losses``;
+``aux_loss_weights``: their signed weights; ``aux_reduction``: "sum" when they are already
+summed over sentences, "mean" when they are per-token means) for the
 ``label_smoothed_cross_entropy_with_aux`` criterion; they are computed only inside
 ``forward`` (training and validation), never during generation.
 """
@@ -32,7 +59,8 @@ from fairseq.models.transformer import (
 )
 from fairseq.utils import safe_getattr
 
-from ..modules.dma_attention import ATTENTION_IMPLS, AUX_LOSS_NAMES, DisentangledMaskAttention
+from ..modules.dma_attention import ATTENTION_IMPLS, AUX_LOSS_NAMES, SAMPLE_INPUTS, DisentangledMaskAttention
+from ..modules.mi_bounds import DIV_FORMS, QQ_FORMS
 from .transformer_variant import (
     ATTENTION_TYPES,
     AttentionSwapDecoderLayer,
@@ -44,6 +72,27 @@ from .transformer_variant import (
 )
 
 DMA_ATTENTION_TYPES = ATTENTION_TYPES
+LOSS_REDUCTIONS = ("sentence", "token")
+
+#: --dma-objective: the defaults it gives the objective's flags (see the module docstring)
+OBJECTIVES = {
+    "authors": {
+        "dma_loss_reduction": "sentence",
+        "dma_qq_form": "bounded",
+        "dma_div_form": "entrywise",
+        "dma_alpha": 0.9,
+        "dma_noise_var": 0.01,
+        "dma_sample_inputs": "attention",
+    },
+    "paper": {
+        "dma_loss_reduction": "token",
+        "dma_qq_form": "club",
+        "dma_div_form": "paper",
+        "dma_alpha": 0.5,
+        "dma_noise_var": 0.1,
+        "dma_sample_inputs": "gmm",
+    },
+}
 
 
 def dma_attention_types(cfg) -> List[str]:
@@ -63,6 +112,15 @@ def validate_dma_args(args):
         raise ValueError(f"--dma-alpha must lie in [0, 1], got {args.dma_alpha}")
     if args.dma_noise_var <= 0:
         raise ValueError(f"--dma-noise-var must be > 0, got {args.dma_noise_var}")
+    for flag, choices in (
+        ("loss_reduction", LOSS_REDUCTIONS),
+        ("qq_form", QQ_FORMS),
+        ("div_form", DIV_FORMS),
+        ("sample_inputs", SAMPLE_INPUTS),
+    ):
+        value = getattr(args, "dma_" + flag)
+        if value not in choices:
+            raise ValueError(f"--dma-{flag.replace('_', '-')} must be one of {choices}, got {value!r}")
     for side in ("encoder", "decoder"):
         dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
         if heads < 1 or dim % heads != 0:
@@ -78,7 +136,7 @@ def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int
         raise ValueError("--quant-noise-pq is not supported by DMA attention")
     if attention_type == "dec_self":
         kwargs["mask_at_inference"] = cfg.dma_decoder_mask_at_inference
-    return DisentangledMaskAttention(
+    module = DisentangledMaskAttention(
         embed_dim,
         num_heads,
         dropout=cfg.attention_dropout,
@@ -88,8 +146,14 @@ def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int
         noise_var=cfg.dma_noise_var,
         centroid_grad_mult=cfg.dma_centroid_grad_mult,
         attention_impl=safe_getattr(cfg, "dma_attention_impl", "auto"),
+        sample_inputs=cfg.dma_sample_inputs,
+        qq_form=cfg.dma_qq_form,
+        div_form=cfg.dma_div_form,
+        per_sentence_losses=cfg.dma_loss_reduction == "sentence",
         **kwargs,
     )
+    module.attention_type = attention_type  # for the authors' per-type reduction
+    return module
 
 
 class DMATransformerEncoderLayer(AttentionSwapEncoderLayer):
@@ -125,13 +189,38 @@ class DMATransformerModel(TransformerVariantModel):
         group.add_argument("--dma-attention", type=str, metavar="TYPES",
                            help="comma-separated attention types that use DMA: enc_self, dec_self, "
                                 "enc_dec, or 'none'")
+        group.add_argument("--dma-objective", choices=tuple(OBJECTIVES), metavar="OBJ",
+                           help="'authors' (default: the objective of the authors' code, which "
+                                "produced the paper's numbers and for which Table 5's weights were "
+                                "tuned) or 'paper' (the paper's text): sets the defaults of "
+                                "--dma-loss-reduction, --dma-qq-form, --dma-div-form, --dma-alpha, "
+                                "--dma-noise-var and --dma-sample-inputs, each of which may still "
+                                "be given")
+        group.add_argument("--dma-loss-reduction", choices=LOSS_REDUCTIONS, metavar="R",
+                           help="'sentence': each regulariser summed over the batch's sentences, "
+                                "averaged over the layers of each attention type, summed over the "
+                                "types, divided by the target tokens with the cross-entropy "
+                                "(authors); 'token': per-token means over all DMA modules (paper)")
+        group.add_argument("--dma-qq-form", choices=QQ_FORMS, metavar="FORM",
+                           help="L_Dqq: 'bounded', mean over head pairs of -log(1 - p(q^h | q^h')) "
+                                "(authors), or 'club', the CLUB estimate clamped at 0 per head "
+                                "pair (paper, Eq. 13)")
+        group.add_argument("--dma-div-form", choices=DIV_FORMS, metavar="FORM",
+                           help="L_dv: 'entrywise', the mean over the n^2 entries of "
+                                "(CC^T - I)^2 weighted 1.25 on the diagonal and 0.75 off it "
+                                "(authors), or 'paper', (1/n)||CC^T - I||^2 (Eq. 14)")
+        group.add_argument("--dma-sample-inputs", choices=SAMPLE_INPUTS, metavar="WHERE",
+                           help="where the training sample z + s*eps goes: 'attention', the "
+                                "attention inputs and queries as well as the GMMs (authors), or "
+                                "'gmm', the token GMM only (paper)")
         group.add_argument("--dma-alpha", type=float, metavar="A",
-                           help="final mask interpolation weight: gamma(t) = 1 - max(1 - A, exp(-r t))")
+                           help="final mask interpolation weight: gamma(t) = 1 - max(1 - A, exp(-r t)) "
+                                "(authors 0.9, paper 0.5)")
         group.add_argument("--dma-anneal-rate", type=float, metavar="R",
                            help="annealing rate r of gamma per update (paper: 5e-4)")
         group.add_argument("--dma-noise-var", type=float, metavar="S2",
-                           help="variance s^2 of q(z|x) = N(x, s^2 I): token-GMM training samples "
-                                "and the KLs (paper: 0.1)")
+                           help="variance s^2 of q(z|x) = N(x, s^2 I): the training samples and "
+                                "the KLs (authors 0.01, paper 0.1)")
         group.add_argument("--dma-kl-weight", type=float, metavar="W", help="c_kl, weight of the GMM KL terms")
         group.add_argument("--dma-qq-weight", type=float, metavar="W",
                            help="c_qq, weight of the head-dependence upper bound L_Dqq (minimised)")
@@ -202,17 +291,37 @@ class DMATransformerModel(TransformerVariantModel):
         finally:
             for m in modules:
                 m.collect_aux, m.query_padding_mask = False, None
-        losses = [m.aux_losses for m in modules if m.aux_losses is not None]
-        zero = src_tokens.new_zeros((), dtype=torch.float32)
         extra = decoder_out[1]
-        extra["aux_losses"] = {
-            name: torch.stack([l[name] for l in losses]).mean() if losses else zero for name in AUX_LOSS_NAMES
-        }
+        extra["aux_losses"] = self.reduce_aux_losses(modules, src_tokens.new_zeros((), dtype=torch.float32))
         extra["aux_loss_weights"] = self.aux_loss_weights
+        extra["aux_reduction"] = "sum" if self.args.dma_loss_reduction == "sentence" else "mean"
         extra["dma_gamma"] = modules[0].gamma if modules else 0.0
         for m in modules:
             m.aux_losses = None
         return decoder_out
+
+    def reduce_aux_losses(self, modules: List[DisentangledMaskAttention], zero) -> Dict[str, "torch.Tensor"]:
+        """The model's value of each regulariser from its modules' ``aux_losses``.
+
+        'token': the mean over modules of their batch means. 'sentence' (the authors'): the
+        modules give per-sentence values (B,); for each attention type the mean over its layers,
+        summed over sentences, then summed over the types. The criterion adds that sum to the
+        summed cross-entropy, so fairseq divides both by the number of target tokens.
+        """
+        reported = [m for m in modules if m.aux_losses is not None]
+        if not reported:
+            return {name: zero for name in AUX_LOSS_NAMES}
+        if self.args.dma_loss_reduction == "token":
+            return {name: torch.stack([m.aux_losses[name] for m in reported]).mean() for name in AUX_LOSS_NAMES}
+        by_type: Dict[str, List[DisentangledMaskAttention]] = {}
+        for m in reported:
+            by_type.setdefault(m.attention_type, []).append(m)
+        return {
+            name: sum(
+                torch.stack([m.aux_losses[name] for m in layers]).mean(0).sum() for layers in by_type.values()
+            )
+            for name in AUX_LOSS_NAMES
+        }
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         if strict:
@@ -244,9 +353,12 @@ def _dma_defaults(args, clusters, qq, xq, grad):
 def dma_base_architecture(args):
     _dma_defaults(args, clusters=4, qq=100.0, xq=10.0, grad=10.0)
     args.dma_attention = safe_getattr(args, "dma_attention", ",".join(DMA_ATTENTION_TYPES))
-    args.dma_alpha = safe_getattr(args, "dma_alpha", 0.5)
+    args.dma_objective = safe_getattr(args, "dma_objective", "authors")
+    if args.dma_objective not in OBJECTIVES:
+        raise ValueError(f"--dma-objective must be one of {tuple(OBJECTIVES)}, got {args.dma_objective!r}")
+    for name, value in OBJECTIVES[args.dma_objective].items():
+        setattr(args, name, safe_getattr(args, name, value))
     args.dma_anneal_rate = safe_getattr(args, "dma_anneal_rate", 5e-4)
-    args.dma_noise_var = safe_getattr(args, "dma_noise_var", 0.1)
     args.dma_kl_weight = safe_getattr(args, "dma_kl_weight", 0.01)
     args.dma_div_weight = safe_getattr(args, "dma_div_weight", 1.0)
     args.dma_decoder_mask_at_inference = safe_getattr(args, "dma_decoder_mask_at_inference", False)
@@ -301,3 +413,24 @@ def dma_transformer_wmt_zh_en(args):
     _dma_defaults(args, clusters=4, qq=50.0, xq=5.0, grad=5.0)
     transformer_iwslt_de_en(args)  # 512/1024 with 4 heads, as the paper's Table 5
     dma_base_architecture(args)
+
+
+# ------------------------------------------------------------- the authors' architecture names
+# NYCU-MLLab's DMA code registers ``disentangled_transformer*``; the same names here give the
+# same dimensions, so their commands run with ``--arch`` unchanged (README maps their flags).
+# Their ``disentangled_transformer`` is 512/1024 with 4 heads (our IWSLT base) and 4 clusters,
+# what their IWSLT training script ran.
+@register_model_architecture("dma_transformer", "disentangled_transformer")
+def disentangled_transformer(args):
+    args.dma_clusters = safe_getattr(args, "dma_clusters", 4)
+    dma_transformer_iwslt_de_en(args)
+
+
+for _alias, _ours in (
+    ("disentangled_transformer_iwslt_de_en", dma_transformer_iwslt_de_en),
+    ("disentangled_transformer_iwslt_de_en_small", dma_transformer_iwslt_de_en_small),
+    ("disentangled_transformer_iwslt_de_en_tiny", dma_transformer_iwslt_de_en_tiny),
+    ("disentangled_transformer_wmt_en_de", dma_transformer_wmt_en_de),
+    ("disentangled_transformer_wmt_en_de_small", dma_transformer_wmt_en_de_small),
+):
+    register_model_architecture("dma_transformer", _alias)(_ours)

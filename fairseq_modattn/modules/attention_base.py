@@ -19,7 +19,9 @@ A variant implements two hooks:
 
     token_state(x)  -> dict of per-token tensors (B, H, N, *) computed from a *module input*
                        (queries' input, and keys' input for cross-attention; self-attention
-                       computes it once and uses it on both sides);
+                       computes it once and uses it on both sides); an entry "input" (N, B, E)
+                       replaces x as what the query (cross-attention: key) projection reads,
+                       e.g. DMA's training sample; values always read the given input;
     attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
                     -> (out (B, H, T, d), weights (B, H, T, S) or None)
 
@@ -222,17 +224,19 @@ class MultiheadAttentionBase(nn.Module):
             if static_kv and saved.get("prev_key") is not None:
                 key = value = None  # encoder keys were projected at the first step
 
-        q = self._split_heads(self.q_proj(query), self.key_heads)
         q_state = self.token_state(query)
+        q = self._split_heads(self.q_proj(q_state.pop("input", query)), self.key_heads)
 
         k_state: Dict[str, Tensor] = {}
         if key is not None:
             if self.self_attention:
                 key = value = query
                 k_state = q_state
+                key_input = key
             else:
                 k_state = self.token_state(key)
-            k = self._split_heads(self.k_proj(key), self.key_heads)
+                key_input = k_state.pop("input", key)
+            k = self._split_heads(self.k_proj(key_input), self.key_heads)
             v = self._split_heads(self.v_proj(value), self.value_heads)
             # Expand before caching, so that the cache always has the query batch and beam
             # search's reordering (a bsz-sized new_order) applies to it.

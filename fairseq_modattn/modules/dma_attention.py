@@ -8,8 +8,17 @@ Every attention module owns
       P_ic^h = p(c | z~_i^h) (``gmm.DiagonalGMM``); in training z~ = z + s * eps is sampled
       from N(z, s^2 I) (paper, 4.3), at inference z~ = z;
     * a query GMM shared by the heads over the projected queries q_i^h, with posteriors
-      Q_ic^h = p(c | q_i^h) at the queries themselves (the MI bounds below are statements about
-      the model's queries, so they are not perturbed; only the KL uses q(z | q) = N(q, s^2 I)).
+      Q_ic^h = p(c | q_i^h).
+
+Where the training sample goes (``sample_inputs``):
+
+    * "gmm" (the paper's text): only the token GMM sees z~; the attention projections read z,
+      and the query GMM clusters the queries themselves (its KL still uses q(z | q) = N(q, s^2 I));
+    * "attention" (the authors' code): z~ replaces the query input of the projections (and the
+      key input of encoder-decoder attention; keys and values of self-attention, and values of
+      encoder-decoder attention, read z), and the queries are sampled too, q~ = q + s * eps',
+      which the query GMM clusters and the logits q~ k^T / sqrt(d) use. Eq. 4 takes the
+      likelihood at the sample, so the attention sees the point the GMM clustered.
 
 The semantic mask of head h is M_ij = sum_c P^q_ic P^k_jc and the masked attention
 
@@ -36,7 +45,9 @@ log posteriors are cached with the keys, so incremental decoding reproduces the 
 
 While ``collect_aux`` is on (the model sets it for its own forward) the module also computes
 its regularisers into ``aux_losses``: the VaDE KL of both GMMs, L_Dqq, L_Dxq and L_dv
-(``mi_bounds``), over real tokens only.
+(``mi_bounds``, in the forms ``qq_form`` and ``div_form``), over real tokens only; batch means,
+or with ``per_sentence_losses`` one value per sentence (B,), the KL and L_dv of both sides of
+encoder-decoder attention then added (as the authors' code adds them) rather than averaged.
 """
 
 import math
@@ -50,6 +61,8 @@ from .attention_base import MultiheadAttentionBase
 from .gmm import DiagonalGMM, at_least_fp32
 from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .mi_bounds import (
+    DIV_FORMS,
+    QQ_FORMS,
     diversity_penalty,
     head_dependence_bound,
     infonce_bound,
@@ -61,6 +74,8 @@ AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
 #: "fused": ``interpolated_masked_attention``; "sdpa": two scaled_dot_product_attention calls;
 #: "auto": sdpa on CUDA (its kernels differentiate the log M bias), fused elsewhere
 ATTENTION_IMPLS = ("auto", "fused", "sdpa")
+#: where the training sample z~ = z + s eps goes: the token GMM only, or also the attention
+SAMPLE_INPUTS = ("gmm", "attention")
 
 
 def annealing_rate(num_updates: int, alpha: float, rate: float) -> float:
@@ -79,6 +94,10 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         centroid_grad_mult: c_grad, gradient multiplier of the GMM means.
         mask_at_inference: keep the mask in eval mode (False for decoder self-attention by
             default, as in the paper).
+        sample_inputs: "gmm" or "attention" (see the module docstring).
+        qq_form, div_form: the forms of L_Dqq ("club", "bounded") and L_dv ("paper",
+            "entrywise"), see ``mi_bounds``.
+        per_sentence_losses: report each regulariser per sentence (B,) instead of a batch mean.
     """
 
     cached_state_names = ("log_p",)
@@ -100,6 +119,10 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         centroid_grad_mult: float = 1.0,
         mask_at_inference: bool = True,
         attention_impl: str = "auto",
+        sample_inputs: str = "gmm",
+        qq_form: str = "club",
+        div_form: str = "paper",
+        per_sentence_losses: bool = False,
     ):
         super().__init__(
             embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention
@@ -114,6 +137,13 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             raise ValueError(f"--dma-noise-var must be > 0, got {noise_var}")
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"--dma-attention-impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+        for flag, value, choices in (
+            ("--dma-sample-inputs", sample_inputs, SAMPLE_INPUTS),
+            ("--dma-qq-form", qq_form, QQ_FORMS),
+            ("--dma-div-form", div_form, DIV_FORMS),
+        ):
+            if value not in choices:
+                raise ValueError(f"{flag} must be one of {choices}, got {value!r}")
         if self.kdim != embed_dim:
             # P^q and P^k come from the same token GMM, so both inputs need the same width.
             raise ValueError(
@@ -126,6 +156,10 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         self.noise_var = noise_var
         self.mask_at_inference = mask_at_inference
         self.attention_impl = attention_impl
+        self.sample_inputs = sample_inputs
+        self.qq_form = qq_form
+        self.div_form = div_form
+        self.per_sentence_losses = per_sentence_losses
         self.token_gmm = DiagonalGMM(num_clusters, embed_dim // num_heads, num_heads, centroid_grad_mult)
         self.query_gmm = DiagonalGMM(num_clusters, self.head_dim, 1, centroid_grad_mult)
 
@@ -146,13 +180,32 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             return 0.0
         return annealing_rate(self.num_updates, self.alpha, self.anneal_rate)
 
+    @property
+    def samples_attention(self) -> bool:
+        """Whether this forward feeds the training sample to the attention (``sample_inputs``)."""
+        return self.training and self.sample_inputs == "attention"
+
     def token_state(self, x: Tensor) -> Dict[str, Tensor]:
+        noise = None
+        state: Dict[str, Tensor] = {}
+        if self.samples_attention:
+            noise = torch.randn_like(x)
+            state["input"] = torch.add(x, noise, alpha=math.sqrt(self.noise_var))
         if not self.collect_aux and self.gamma == 0.0:
-            return {}
+            return state
         length, bsz, _ = x.shape
-        z = x.view(length, bsz, self.num_heads, -1).permute(1, 2, 0, 3)  # (B, H, N, E / H)
-        stats = self.token_gmm(z, self.noise_var, sample=self.training, need_kl=self.collect_aux)
-        state = {"log_p": stats.log_post}
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(length, bsz, self.num_heads, -1).permute(1, 2, 0, 3)  # (B, H, N, E / H)
+
+        stats = self.token_gmm(
+            heads(x),
+            self.noise_var,
+            sample=self.training,
+            need_kl=self.collect_aux,
+            noise=None if noise is None else heads(noise),
+        )
+        state["log_p"] = stats.log_post
         if stats.kl is not None:
             state["kl"] = stats.kl
         return state
@@ -169,8 +222,13 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         need_weights: bool,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         gamma = self.gamma
+        query_noise = None
+        if self.samples_attention:
+            query_noise = torch.randn(q.shape, dtype=q.dtype, device=q.device)
         if self.collect_aux:
-            self.aux_losses = self.regularisers(q, q_state, k_state, key_padding_mask)
+            self.aux_losses = self.regularisers(q, q_state, k_state, key_padding_mask, query_noise)
+        if query_noise is not None:
+            q = torch.add(q, query_noise, alpha=math.sqrt(self.noise_var))
         if need_weights:
             log_m = None
             if gamma > 0.0:
@@ -219,36 +277,49 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         q_state: Dict[str, Tensor],
         k_state: Dict[str, Tensor],
         key_padding_mask: Optional[Tensor],
+        query_noise: Optional[Tensor] = None,
     ) -> Dict[str, Tensor]:
-        """KL (both GMMs), L_Dqq, L_Dxq and L_dv of this module, each a mean (see mi_bounds)."""
+        """KL (both GMMs), L_Dqq, L_Dxq and L_dv of this module, each a batch mean or, with
+        ``per_sentence_losses``, a (B,) vector (see mi_bounds). ``query_noise``: eps' of the
+        sampled queries q~ = q + s eps' that the query GMM clusters ("attention" sampling)."""
         key_valid = None if key_padding_mask is None else ~key_padding_mask.bool()
         if self.self_attention:
             query_valid = key_valid
         else:
             query_valid = None if self.query_padding_mask is None else ~self.query_padding_mask.bool()
 
-        queries = self.query_gmm(q, self.noise_var, sample=False, need_kl=True)
+        queries = self.query_gmm(
+            q, self.noise_var, sample=query_noise is not None, need_kl=True, noise=query_noise
+        )
         query_post = queries.log_post.exp()
         token_post = q_state["log_p"].exp()
         # training: one sampled negative per query (unbiased, no (B, H, H, T, T) table);
         # evaluation: the exact mean over all tokens, so validation is deterministic
         negatives = None
-        if self.training:
+        if self.training and self.qq_form == "club":
             negatives = sample_negatives(query_valid, q.size(0), q.size(2), q.device)
-        kl = masked_token_mean(q_state["kl"], query_valid)
-        div = diversity_penalty(token_post, query_valid)
+        per_sentence = self.per_sentence_losses
+        kl = masked_token_mean(q_state["kl"], query_valid, per_sentence)
+        div = diversity_penalty(token_post, query_valid, self.div_form, per_sentence)
         if not self.self_attention:  # the key side is a second set of tokens for the token GMM
-            kl = 0.5 * (kl + masked_token_mean(k_state["kl"], key_valid))
-            div = 0.5 * (div + diversity_penalty(k_state["log_p"].exp(), key_valid))
+            key_kl = masked_token_mean(k_state["kl"], key_valid, per_sentence)
+            key_div = diversity_penalty(k_state["log_p"].exp(), key_valid, self.div_form, per_sentence)
+            # per sentence: the authors' sum of both sides; batch means: their average
+            both = 1.0 if per_sentence else 0.5
+            kl, div = both * (kl + key_kl), both * (div + key_div)
+        dqq = head_dependence_bound(
+            queries.log_joint, queries.log_post, query_valid, negatives, self.qq_form, per_sentence
+        )
         return {
-            "kl": kl + masked_token_mean(queries.kl, query_valid),
-            "dqq": head_dependence_bound(queries.log_joint, queries.log_post, query_valid, negatives),
-            "dxq": infonce_bound(query_post, query_valid),
-            "div": div + diversity_penalty(query_post, query_valid),
+            "kl": kl + masked_token_mean(queries.kl, query_valid, per_sentence),
+            "dqq": dqq,
+            "dxq": infonce_bound(query_post, query_valid, per_sentence),
+            "div": div + diversity_penalty(query_post, query_valid, self.div_form, per_sentence),
         }
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, clusters={self.num_clusters}, "
-            f"alpha={self.alpha}, anneal_rate={self.anneal_rate}, mask_at_inference={self.mask_at_inference}"
+            f"alpha={self.alpha}, anneal_rate={self.anneal_rate}, mask_at_inference={self.mask_at_inference}, "
+            f"sample_inputs={self.sample_inputs}, qq_form={self.qq_form}, div_form={self.div_form}"
         )

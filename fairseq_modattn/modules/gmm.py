@@ -46,6 +46,19 @@ def at_least_fp32(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
+def log_softmax_over_clusters(log_joint: Tensor) -> Tensor:
+    """log_softmax over the last (cluster) axis, computed with that axis moved off the end.
+
+    The same values; on the CPU (torch 2.13) ``log_softmax`` over a short last axis (n_c = 4-12)
+    runs one scalar reduction per row and is ~45x slower than over a leading axis (measured on
+    (4, 4096, 8): 2.3 ms against 0.05 ms, forward + backward 4.5 against 0.6 ms with the copy).
+    The result is a transposed view, which every consumer here reads as it is.
+    """
+    if log_joint.device.type != "cpu":
+        return torch.log_softmax(log_joint, dim=-1)
+    return torch.log_softmax(log_joint.transpose(-1, -2).contiguous(), dim=-2).transpose(-1, -2)
+
+
 class GMMStatistics(NamedTuple):
     """Per-point results of one GMM evaluation, all fp32.
 
@@ -209,13 +222,22 @@ class DiagonalGMM(nn.Module):
         return self.means
 
     def forward(
-        self, x: Tensor, noise_var: float = 0.1, sample: bool = False, need_kl: bool = False
+        self,
+        x: Tensor,
+        noise_var: float = 0.1,
+        sample: bool = False,
+        need_kl: bool = False,
+        noise: Optional[Tensor] = None,
     ) -> GMMStatistics:
         """Cluster the points ``x`` of shape (..., G, N, d).
 
         ``noise_var`` is s^2 of q(z | x) = N(x, s^2 I). With ``sample`` (training) the posterior
         is taken at z~ = x + s * eps and the KL at the mean x, as in VaDE; without it both use x.
+        ``noise`` (shape of ``x``) is eps when the caller needs the same sample z~ elsewhere
+        (DMA feeds it to the attention projections); by default it is drawn here.
         """
+        if noise is not None and noise.shape != x.shape:
+            raise ValueError(f"noise of shape {tuple(noise.shape)} for points of shape {tuple(x.shape)}")
         if need_kl and noise_var <= 0.0:
             raise ValueError("the VaDE KL needs a positive variance s^2 for q(z | x)")
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -228,14 +250,20 @@ class DiagonalGMM(nn.Module):
             log_det = log_vars.sum(-1).unsqueeze(-2)  # (G, 1, C)
             log_norm = log_pi - 0.5 * (log_det + self.dim * math.log(2.0 * math.pi))
 
-            noise = None
-            if sample and noise_var > 0.0:
+            if not sample:
+                noise = None
+            elif noise is not None:
+                # laid out like x, so that group_major_points orders both points the same way
+                if noise.stride() != x.stride() or noise.dtype != dtype:
+                    noise = torch.empty_like(x, dtype=dtype).copy_(noise)
+                noise = group_major_points(noise, self.num_groups)[0]
+            elif noise_var > 0.0:
                 noise = torch.randn(points.shape, dtype=dtype, device=points.device)
             if noise is not None and not need_kl:  # the distance at the mean is not needed
                 points, noise = torch.add(points, noise, alpha=math.sqrt(noise_var)), None
             dist, mean_dist = mahalanobis_distances(points, noise, math.sqrt(noise_var), means, inv_var)
             log_joint = log_norm - 0.5 * dist
-            log_post = torch.log_softmax(log_joint, dim=-1)
+            log_post = log_softmax_over_clusters(log_joint)
 
             kl = None
             if need_kl:
@@ -243,7 +271,10 @@ class DiagonalGMM(nn.Module):
                 expected_nll = 0.5 * (log_det + noise_var * trace + mean_dist)
                 kl = (log_post.exp() * (expected_nll - log_pi + log_post)).sum(-1)
                 kl = restore(kl.unsqueeze(-1)).squeeze(-1) - 0.5 * self.dim * (1.0 + math.log(noise_var))
-        return GMMStatistics(restore(log_joint), restore(log_post), kl)
+        # (B, H, N, C) in one block: the posteriors are small (C values per point), and every
+        # consumer multiplies them by matrices, which needs them laid out batch by batch (torch's
+        # bmm copies each matrix separately otherwise)
+        return GMMStatistics(restore(log_joint).contiguous(), restore(log_post).contiguous(), kl)
 
     def extra_repr(self) -> str:
         return (

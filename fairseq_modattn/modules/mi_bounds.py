@@ -4,15 +4,34 @@ All functions take cluster statistics laid out ``(B, H, N, C)`` (batch, heads, t
 clusters) in fp32 and a boolean ``valid`` of shape ``(B, N)`` that is True on real tokens;
 padded tokens never enter a sum, a normaliser or a count.
 
-Normalisation (so that no term grows with batch size or the number of layers):
-    * ``head_dependence_bound`` (L_Dqq) and ``infonce_bound`` (L_Dxq) are means over the real
-      tokens of the batch (and over head pairs / heads);
-    * ``diversity_penalty`` (L_dv) is the paper's per-sentence (1/n) ||C C^T - I||_F^2 averaged
-      over sentences and heads. Note that it is O(n / n_c) for a sentence of n tokens spread over
-      n_c clusters, as in the paper: longer sentences weigh more;
-    * the model averages every term over its DMA attention modules.
+Every term has two reductions (``per_sentence``):
+    * batch means (default): ``head_dependence_bound`` (L_Dqq) and ``infonce_bound`` (L_Dxq) are
+      means over the real tokens of the batch (and over head pairs / heads);
+      ``diversity_penalty`` (L_dv) is a mean over sentences and heads;
+    * per sentence: a (B,) vector, each entry the same mean taken over one sentence's real
+      tokens (zero for a sentence without any). The DMA authors' objective sums these over the
+      batch's sentences and divides by the number of target tokens together with the
+      cross-entropy (``models/dma_transformer.py`` does that reduction).
 
-L_Dqq (CLUB upper bound of I(q^h; q^h'), Eq. 9, 12, 13). For heads h != h' and tokens i, j
+Two forms of L_Dqq (``form``) and of L_dv (``form``), the authors' code and the paper's text:
+
+    L_Dqq "bounded" (the authors' code): for every head pair h != h' and real token i,
+        p_i^{hh'} = min(1, p(q_i^h | q_i^h')),  L_Dqq = (1/H^2) sum_{h != h'} mean_i -log(1 + eps - p_i^{hh'})
+    with eps = 1e-6: bounded below by 0, always pushing the probability that head h' predicts
+    head h's query down (the paper, section 4.3, drops CLUB's negative term; the authors then
+    penalise -log(1 - p) instead of log p, which is bounded). The 1/H^2 (not 1/(H(H-1))) is theirs.
+
+    L_Dqq "club": the CLUB estimate with its negative term, clamped at 0 per head pair (below).
+
+    L_dv "paper" (Eq. 14): (1/n) ||C C^T - I||_F^2 per sentence and head; it is O(n / n_c) for a
+    sentence of n tokens spread over n_c clusters, so longer sentences weigh more.
+
+    L_dv "entrywise" (the authors' code): the weighted mean over the n^2 entries,
+        (1/n^2) sum_ij w_ij ((C C^T)_ij - delta_ij)^2,  w = 1.25 on the diagonal, 0.75 off it,
+        = (1/n^2) [ 0.75 ||C C^T - I||_F^2 + 0.5 sum_i (||C_i||^2 - 1)^2 ],
+    about n times smaller than Eq. 14 for an n-token sentence.
+
+L_Dqq "club" (CLUB upper bound of I(q^h; q^h'), Eq. 9, 12, 13). For heads h != h' and tokens i, j
 of a sentence of n real tokens,
 
     p(q_j^h | c)      = p(q_j^h, c) / sum_j' p(q_j'^h, c)            (tokens of the sentence)
@@ -45,11 +64,11 @@ L_Dxq (InfoNCE lower bound of I(x; q), Eq. 10), per head and sentence of n token
 
     f_ij = sum_c Q_ic Q_jc,     L_Dxq = mean_i [ f_ii - log( (1/n) sum_j exp f_ij ) ].
 
-L_dv (Eq. 14) with C the (n x n_c) posterior matrix of a sentence and head,
+L_dv with C the (n x n_c) posterior matrix of a sentence and head uses
 
-    (1/n) ||C C^T - I||_F^2 = (1/n) ( ||C^T C||_F^2 - 2 ||C||_F^2 + n ),
+    ||C C^T - I||_F^2 = ||C^T C||_F^2 - 2 ||C||_F^2 + n,
 
-which needs only the n_c x n_c Gram matrix.
+which needs only the n_c x n_c Gram matrix (no n x n table), in both forms.
 """
 
 import functools
@@ -80,8 +99,21 @@ def in_fp32(bound):
     return fp32_bound
 
 
-def masked_token_mean(values: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """Mean of ``values`` (B, H, N) over heads and the real tokens given by ``valid`` (B, N)."""
+QQ_FORMS = ("bounded", "club")
+DIV_FORMS = ("entrywise", "paper")
+#: eps of the bounded L_Dqq, -log(1 + eps - p): keeps it finite where p reaches 1
+BOUNDED_QQ_EPS = 1e-6
+
+
+def masked_token_mean(values: Tensor, valid: Optional[Tensor], per_sentence: bool = False) -> Tensor:
+    """Mean of ``values`` (B, H, N) over heads and the real tokens given by ``valid`` (B, N);
+    with ``per_sentence`` one mean per sentence, shape (B,)."""
+    if per_sentence:
+        if valid is None:
+            return values.mean((1, 2))
+        keep = valid.unsqueeze(1)
+        total = torch.where(keep, values, values.new_zeros(())).sum((1, 2))
+        return total / (valid.sum(1) * values.size(1)).clamp_min(1).to(values.dtype)
     if valid is None:
         return values.mean()
     keep = valid.unsqueeze(1)  # (B, 1, N)
@@ -127,22 +159,50 @@ def _log_pair_likelihood(log_token_given_c: Tensor, log_post: Tensor) -> Tensor:
 
 @in_fp32
 def head_dependence_bound(
-    log_joint: Tensor, log_post: Tensor, valid: Optional[Tensor], negatives: Optional[Tensor] = None
+    log_joint: Tensor,
+    log_post: Tensor,
+    valid: Optional[Tensor],
+    negatives: Optional[Tensor] = None,
+    form: str = "club",
+    per_sentence: bool = False,
 ) -> Tensor:
-    """L_Dqq: the CLUB estimates of I(q^h; q^h'), each clamped at 0, averaged over the head
-    pairs h != h' (see the module doc); arguments as in ``head_dependence_estimates``."""
-    estimates = head_dependence_estimates(log_joint, log_post, valid, negatives)
-    num_heads = estimates.size(0)
+    """L_Dqq in ``form`` "club" (the CLUB estimates of I(q^h; q^h'), each clamped at 0,
+    averaged over the head pairs h != h') or "bounded" (the authors' -log(1 - p), see the module
+    doc; ``negatives`` is not used); arguments as in ``head_dependence_estimates``."""
+    num_heads = log_joint.size(1)
+    if form not in QQ_FORMS:
+        raise ValueError(f"L_Dqq form must be one of {QQ_FORMS}, got {form!r}")
     if num_heads < 2:
-        return estimates.new_zeros(())
-    off_diagonal = ~torch.eye(num_heads, dtype=torch.bool, device=estimates.device)
-    return estimates.clamp_min(0.0)[off_diagonal].mean()
+        return log_joint.new_zeros((log_joint.size(0),) if per_sentence else ())
+    off_diagonal = ~torch.eye(num_heads, dtype=torch.bool, device=log_joint.device)
+    if form == "bounded":
+        # p(q_i^h | q_i^h') = sum_c p(q_i^h | c) Q_ic^h' in linear space: both factors lie in
+        # [0, 1], and a product that underflows to 0 gives the penalty's minimum, -log(1 + eps)
+        token_given_c = _log_token_given_cluster(log_joint, valid).exp().transpose(1, 2)  # (B, N, H, C)
+        pair = torch.matmul(token_given_c, log_post.exp().transpose(1, 2).transpose(-1, -2))  # (B, N, H, H')
+        penalty = -torch.log1p(BOUNDED_QQ_EPS - pair.clamp_max(1.0))
+        penalty = torch.where(off_diagonal, penalty, penalty.new_zeros(()))
+        per_token = penalty.sum((-1, -2)).unsqueeze(1) / num_heads**2  # (B, 1, N)
+        return masked_token_mean(per_token, valid, per_sentence)
+    estimates = head_dependence_estimates(log_joint, log_post, valid, negatives, per_sentence)
+    return estimates.clamp_min(0.0)[..., off_diagonal].mean(-1)
+
+
+def _log_token_given_cluster(log_joint: Tensor, valid: Optional[Tensor]) -> Tensor:
+    """log p(q_j^h | c): the joint normalised over the sentence's real tokens j."""
+    masked_joint = _neg_inf_padding(log_joint, valid, token_dim=2)
+    return log_joint - torch.logsumexp(masked_joint, dim=2, keepdim=True)
 
 
 def head_dependence_estimates(
-    log_joint: Tensor, log_post: Tensor, valid: Optional[Tensor], negatives: Optional[Tensor] = None
+    log_joint: Tensor,
+    log_post: Tensor,
+    valid: Optional[Tensor],
+    negatives: Optional[Tensor] = None,
+    per_sentence: bool = False,
 ) -> Tensor:
-    """(H, H') CLUB estimates I_hh' of I(q^h; q^h'), unclamped (the diagonal is not used).
+    """(H, H') CLUB estimates I_hh' of I(q^h; q^h'), unclamped (the diagonal is not used);
+    with ``per_sentence`` one set per sentence, (B, H, H').
 
     ``log_joint`` and ``log_post`` (B, H, N, C): the query GMM's log p(q_i^h, c) and log Q_ic^h.
 
@@ -153,9 +213,7 @@ def head_dependence_estimates(
     Training uses it; without it (evaluation, tests) the mean over j is exact.
     """
     num_heads = log_joint.size(1)
-    # log p(q_j^h | c): normalise the joint over the sentence's real tokens j.
-    masked_joint = _neg_inf_padding(log_joint, valid, token_dim=2)
-    log_token_given_c = log_joint - torch.logsumexp(masked_joint, dim=2, keepdim=True)
+    log_token_given_c = _log_token_given_cluster(log_joint, valid)
     positive = _log_pair_likelihood(log_token_given_c, log_post)  # log S_ii, (B, H, H', N)
     if negatives is not None:
         index = negatives.view(negatives.size(0), 1, -1, 1).expand(-1, num_heads, -1, log_joint.size(-1))
@@ -169,16 +227,19 @@ def head_dependence_estimates(
             keep = valid.view(valid.size(0), 1, 1, 1, valid.size(1))
             negative = torch.where(keep, log_s, log_s.new_zeros(())).sum(-1)
             negative = negative / valid.sum(1).clamp_min(1).to(log_s.dtype).view(-1, 1, 1, 1)
-    return _pair_token_mean(positive - negative, valid)
+    return _pair_token_mean(positive - negative, valid, per_sentence)
 
 
-def _pair_token_mean(values: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """(B, H, H', N) -> (H, H'): the mean over the batch's real tokens for each head pair."""
+def _pair_token_mean(values: Tensor, valid: Optional[Tensor], per_sentence: bool = False) -> Tensor:
+    """(B, H, H', N) -> (H, H'): the mean over the batch's real tokens for each head pair;
+    with ``per_sentence`` (B, H, H'), the mean over each sentence's real tokens."""
+    token_axes = (3,) if per_sentence else (0, 3)
     if valid is None:
-        return values.mean((0, 3))
+        return values.mean(token_axes)
     keep = valid.view(valid.size(0), 1, 1, valid.size(1))
-    total = torch.where(keep, values, values.new_zeros(())).sum((0, 3))
-    return total / valid.sum().clamp_min(1).to(values.dtype)
+    total = torch.where(keep, values, values.new_zeros(())).sum(token_axes)
+    count = valid.sum(1).view(-1, 1, 1) if per_sentence else valid.sum()
+    return total / count.clamp_min(1).to(values.dtype)
 
 
 class _InfoNCEScores(torch.autograd.Function):
@@ -220,27 +281,41 @@ def _masked_critic(post: Tensor, key_valid: Optional[Tensor]) -> Tensor:
 
 
 @in_fp32
-def infonce_bound(post: Tensor, valid: Optional[Tensor]) -> Tensor:
+def infonce_bound(post: Tensor, valid: Optional[Tensor], per_sentence: bool = False) -> Tensor:
     """L_Dxq: InfoNCE with critic f_ij = <Q_i, Q_j>, over the real tokens of each sentence."""
     if valid is None:
         log_n = math.log(post.size(2))
     else:
         log_n = valid.sum(1).clamp_min(1).to(post.dtype).log().view(-1, 1, 1)
-    return masked_token_mean(_InfoNCEScores.apply(post, valid) + log_n, valid)
+    return masked_token_mean(_InfoNCEScores.apply(post, valid) + log_n, valid, per_sentence)
 
 
 @in_fp32
-def diversity_penalty(post: Tensor, valid: Optional[Tensor]) -> Tensor:
-    """L_dv: mean over sentences and heads of (1/n) ||C C^T - I||_F^2, in O(n n_c^2)."""
+def diversity_penalty(
+    post: Tensor, valid: Optional[Tensor], form: str = "paper", per_sentence: bool = False
+) -> Tensor:
+    """L_dv in ``form`` "paper" ((1/n) ||C C^T - I||_F^2) or "entrywise" (the authors' weighted
+    mean over the n^2 entries), averaged over heads and sentences (or per sentence), O(n n_c^2)."""
+    if form not in DIV_FORMS:
+        raise ValueError(f"L_dv form must be one of {DIV_FORMS}, got {form!r}")
     if valid is not None:
         post = post * valid.to(post.dtype).view(valid.size(0), 1, valid.size(1), 1)
         n = valid.sum(1).to(post.dtype).view(-1, 1)  # (B, 1)
     else:
         n = post.new_full((post.size(0), 1), float(post.size(2)))
     gram = torch.matmul(post.transpose(-1, -2), post)  # (B, H, C, C)
-    frob = gram.pow(2).sum((-1, -2)) - 2.0 * post.pow(2).sum((-1, -2)) + n
-    per_sentence = frob / n.clamp_min(1.0)
+    row_norms = post.pow(2).sum(-1)  # ||C_i||^2 = (C C^T)_ii, (B, H, N)
+    frob = gram.pow(2).sum((-1, -2)) - 2.0 * row_norms.sum(-1) + n  # ||C C^T - I||_F^2, (B, H)
+    if form == "paper":
+        values = frob / n.clamp_min(1.0)
+    else:
+        diagonal = (row_norms - 1.0).pow(2)
+        if valid is not None:
+            diagonal = diagonal * valid.to(post.dtype).unsqueeze(1)
+        values = (0.75 * frob + 0.5 * diagonal.sum(-1)) / n.pow(2).clamp_min(1.0)
+    has_tokens = (n > 0).to(post.dtype)  # (B, 1)
+    if per_sentence:
+        return values.mean(1) * has_tokens.squeeze(1)
     if valid is None:
-        return per_sentence.mean()
-    has_tokens = (n > 0).to(post.dtype)
-    return (per_sentence * has_tokens).sum() / (has_tokens.sum() * post.size(1)).clamp_min(1.0)
+        return values.mean()
+    return (values * has_tokens).sum() / (has_tokens.sum() * post.size(1)).clamp_min(1.0)

@@ -89,7 +89,7 @@ def test_dma_views_are_the_gmm_posteriors_and_their_mask(clients):
                         expected = sum(p_q[h, i, c] * p_k[h, j, c] for c in range(4))
                         assert mask[h, i, j] == pytest.approx(expected, abs=2e-3)
     # the other attentions keep it, with the schedule's gamma after the checkpoint's 12 updates:
-    # 1 - max(1 - alpha, exp(-rate t)) with alpha 0.5 and the tests' --dma-anneal-rate 0.05
+    # 1 - max(1 - alpha, exp(-rate t)) with alpha 0.9 and the tests' --dma-anneal-rate 0.05
     masked = [layer["gamma"] for kind in ("enc_self", "enc_dec") for layer in r["dma"][kind]]
     assert masked == pytest.approx([1 - np.exp(-0.05 * 12)] * 4, abs=1e-6)
 

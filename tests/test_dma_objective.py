@@ -460,3 +460,42 @@ def test_the_authors_criterion_name_is_an_alias():
 
     alias = CRITERION_REGISTRY["disentangled_label_smoothed_cross_entropy"]
     assert issubclass(alias, LabelSmoothedCrossEntropyWithAuxCriterion)
+
+
+def test_gmm_initialisations():
+    """xavier (the authors'): N(0, 2 / ((n_c + G) d)) centres and log-variances and
+    N(0, 2 / (n_c + G)) logits, so the first posteriors of unit-scale inputs are soft;
+    spread: N(0, 1) centres and unit variances, peaked first posteriors."""
+    from fairseq_modattn.modules import DiagonalGMM
+
+    torch.manual_seed(0)
+    groups, clusters, dim = 4, 8, 256
+    xavier = DiagonalGMM(clusters, dim, groups)
+    assert xavier.means.std().item() == pytest.approx(math.sqrt(2 / ((clusters + groups) * dim)), rel=0.05)
+    assert xavier.log_vars.std().item() == pytest.approx(math.sqrt(2 / ((clusters + groups) * dim)), rel=0.05)
+    assert xavier.logits.std().item() == pytest.approx(math.sqrt(2 / (clusters + groups)), rel=0.5)
+    spread = DiagonalGMM(clusters, dim, groups, init="spread")
+    assert spread.means.std().item() == pytest.approx(1.0, rel=0.05)
+    assert torch.all(spread.log_vars == 0) and torch.all(spread.logits == 0)
+    x = torch.randn(2, groups, 50, 32)  # a head of the tiny preset: mean top posterior 0.28 / 0.84
+    top_xavier = DiagonalGMM(clusters, 32, groups)(x).log_post.exp().amax(-1).mean().item()
+    top_spread = DiagonalGMM(clusters, 32, groups, init="spread")(x).log_post.exp().amax(-1).mean().item()
+    assert top_xavier < 0.5 < 0.75 < top_spread
+    with pytest.raises(ValueError, match="initialisation"):
+        DiagonalGMM(clusters, dim, groups, init="nope")
+
+
+def test_infonce_block_by_block_matches_naive(monkeypatch):
+    """With one sentence per block (blocking.BLOCK_ELEMENTS) L_Dxq and its gradient are unchanged."""
+    from fairseq_modattn.modules import blocking
+
+    _, log_post, valid = loss_inputs(9, [5, 2, 4])
+    post = log_post.exp().requires_grad_()
+    whole = infonce_bound(post, valid, per_sentence=True)
+    (grad_whole,) = torch.autograd.grad(whole.sum(), post)
+    monkeypatch.setattr(blocking, "BLOCK_ELEMENTS", 3 * 5 * 5)
+    assert len(blocking.sentence_blocks(3, 3 * 5 * 5)) == 3
+    blocked = infonce_bound(post, valid, per_sentence=True)
+    torch.testing.assert_close(blocked, torch.tensor(naive_dxq_per_sentence(post.detach(), valid), dtype=DOUBLE))
+    torch.testing.assert_close(torch.autograd.grad(blocked.sum(), post)[0], grad_whole)
+    assert torch.autograd.gradcheck(lambda p: infonce_bound(p, valid, per_sentence=True), (post,))

@@ -31,6 +31,15 @@ def naive(q, k, v, log_pq, log_pk, mask, gamma, keep=None, dropout_p=0.0):
     return final @ v
 
 
+def assert_values_and_gradients_equal(out, ref, tensors):
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    weight = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weight).sum(), tensors)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), tensors)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
 def inputs(seed, bsz=2, heads=3, tgt=4, src=5, d=4, num_c=3, dtype=DOUBLE, causal=False):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(bsz, heads, tgt, d, generator=gen, dtype=dtype)
@@ -74,13 +83,27 @@ def test_dropout_drops_the_final_weights():
     torch.manual_seed(7)
     keep = torch.rand(2, 3, 4, 5) >= p  # the same draw, one per entry of A^
     assert 0 < keep.sum() < keep.numel()
-    ref = naive(*tensors, mask, 0.5, keep=keep, dropout_p=p)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    weight = torch.randn_like(out)
-    grads = torch.autograd.grad((out * weight).sum(), tensors)
-    ref_grads = torch.autograd.grad((ref * weight).sum(), tensors)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert_values_and_gradients_equal(out, naive(*tensors, mask, 0.5, keep=keep, dropout_p=p), tensors)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_sentence_blocks_give_the_same_values_gradients_and_dropout(monkeypatch, dropout_p):
+    """With BLOCK_ELEMENTS at one sentence's tables the kernel runs sentence by sentence (the
+    dropout mask drawn block by block); values and gradients are the naive ones."""
+    from fairseq_modattn.modules import blocking
+
+    monkeypatch.setattr(blocking, "BLOCK_ELEMENTS", 3 * 4 * 5)
+    assert len(blocking.sentence_blocks(3, 3 * 4 * 5)) == 3
+    tensors, mask = inputs(4, bsz=3, causal=True)
+    torch.manual_seed(5)
+    out = interpolated_masked_attention(*tensors, mask, 0.6, dropout_p=dropout_p)
+    keep = None
+    if dropout_p:
+        torch.manual_seed(5)
+        keep = torch.cat([torch.rand(1, 3, 4, 5) >= dropout_p for _ in range(3)])
+    assert_values_and_gradients_equal(out, naive(*tensors, mask, 0.6, keep=keep, dropout_p=dropout_p), tensors)
+    if not dropout_p:
+        assert torch.autograd.gradcheck(lambda *t: interpolated_masked_attention(*t, mask, 0.4), tensors)
 
 
 def test_disagreeing_one_hot_posteriors_stay_finite():

@@ -122,7 +122,7 @@ def probe(monkeypatch, owner, name):
 # (owner, attribute, whether it must see bf16 inputs): functions whose results the code
 # promises in fp32 under autocast
 FP32_PROBES = {
-    "dma": [(gmm.DiagonalGMM, "forward", True), (interpolated_attention, "_both_softmaxes", False)],
+    "dma": [(gmm.DiagonalGMM, "forward", True), (interpolated_attention, "_softmax_", False)],
     "talking_heads": [(TalkingHeadsAttention, "explicit_softmax", True)],
 }
 

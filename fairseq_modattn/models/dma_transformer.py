@@ -60,6 +60,7 @@ from fairseq.models.transformer import (
 from fairseq.utils import safe_getattr
 
 from ..modules.dma_attention import ATTENTION_IMPLS, AUX_LOSS_NAMES, SAMPLE_INPUTS, DisentangledMaskAttention
+from ..modules.gmm import GMM_INITS
 from ..modules.mi_bounds import DIV_FORMS, QQ_FORMS
 from .transformer_variant import (
     ATTENTION_TYPES,
@@ -117,6 +118,7 @@ def validate_dma_args(args):
         ("qq_form", QQ_FORMS),
         ("div_form", DIV_FORMS),
         ("sample_inputs", SAMPLE_INPUTS),
+        ("gmm_init", GMM_INITS),
     ):
         value = getattr(args, "dma_" + flag)
         if value not in choices:
@@ -150,6 +152,7 @@ def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int
         qq_form=cfg.dma_qq_form,
         div_form=cfg.dma_div_form,
         per_sentence_losses=cfg.dma_loss_reduction == "sentence",
+        gmm_init=cfg.dma_gmm_init,
         **kwargs,
     )
     module.attention_type = attention_type  # for the authors' per-type reduction
@@ -213,6 +216,10 @@ class DMATransformerModel(TransformerVariantModel):
                            help="where the training sample z + s*eps goes: 'attention', the "
                                 "attention inputs and queries as well as the GMMs (authors), or "
                                 "'gmm', the token GMM only (paper)")
+        group.add_argument("--dma-gmm-init", choices=GMM_INITS, metavar="INIT",
+                           help="'xavier' (default; the authors': centres close together, soft "
+                                "posteriors at the start) or 'spread' (N(0, 1) centres, unit "
+                                "variances: peaked posteriors at the start)")
         group.add_argument("--dma-alpha", type=float, metavar="A",
                            help="final mask interpolation weight: gamma(t) = 1 - max(1 - A, exp(-r t)) "
                                 "(authors 0.9, paper 0.5)")
@@ -359,6 +366,7 @@ def dma_base_architecture(args):
     for name, value in OBJECTIVES[args.dma_objective].items():
         setattr(args, name, safe_getattr(args, name, value))
     args.dma_anneal_rate = safe_getattr(args, "dma_anneal_rate", 5e-4)
+    args.dma_gmm_init = safe_getattr(args, "dma_gmm_init", "xavier")
     args.dma_kl_weight = safe_getattr(args, "dma_kl_weight", 0.01)
     args.dma_div_weight = safe_getattr(args, "dma_div_weight", 1.0)
     args.dma_decoder_mask_at_inference = safe_getattr(args, "dma_decoder_mask_at_inference", False)

@@ -98,6 +98,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         qq_form, div_form: the forms of L_Dqq ("club", "bounded") and L_dv ("paper",
             "entrywise"), see ``mi_bounds``.
         per_sentence_losses: report each regulariser per sentence (B,) instead of a batch mean.
+        gmm_init: "xavier" (the authors') or "spread", see ``gmm.DiagonalGMM.reset_parameters``.
     """
 
     cached_state_names = ("log_p",)
@@ -123,6 +124,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         qq_form: str = "club",
         div_form: str = "paper",
         per_sentence_losses: bool = False,
+        gmm_init: str = "xavier",
     ):
         super().__init__(
             embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention
@@ -160,8 +162,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         self.qq_form = qq_form
         self.div_form = div_form
         self.per_sentence_losses = per_sentence_losses
-        self.token_gmm = DiagonalGMM(num_clusters, embed_dim // num_heads, num_heads, centroid_grad_mult)
-        self.query_gmm = DiagonalGMM(num_clusters, self.head_dim, 1, centroid_grad_mult)
+        self.token_gmm = DiagonalGMM(num_clusters, embed_dim // num_heads, num_heads, centroid_grad_mult, gmm_init)
+        self.query_gmm = DiagonalGMM(num_clusters, self.head_dim, 1, centroid_grad_mult, gmm_init)
 
         self.num_updates = 0
         #: set by the model around its own forward: compute ``aux_losses``

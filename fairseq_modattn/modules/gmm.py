@@ -46,6 +46,10 @@ def at_least_fp32(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
+#: "xavier" (the DMA authors' initialisation) or "spread" (N(0, 1) centres, unit variances)
+GMM_INITS = ("xavier", "spread")
+
+
 def log_softmax_over_clusters(log_joint: Tensor) -> Tensor:
     """log_softmax over the last (cluster) axis, computed with that axis moved off the end.
 
@@ -123,9 +127,10 @@ class _MahalanobisDistances(torch.autograd.Function):
         if noise is None:
             return _expanded_distance(x, inv_var, scaled_means, const)
         point = torch.add(x, noise, alpha=noise_scale)
+        square = torch.empty_like(point)  # z * z of both points, one buffer (fresh ones page-fault)
         return (
-            _expanded_distance(point, inv_var, scaled_means, const),
-            _expanded_distance(x, inv_var, scaled_means, const),
+            _expanded_distance(point, inv_var, scaled_means, const, square),
+            _expanded_distance(x, inv_var, scaled_means, const, square),
         )
 
     @staticmethod
@@ -159,14 +164,20 @@ class _MahalanobisDistances(torch.autograd.Function):
             if ctx.needs_input_grad[3]:
                 grad_means = -2.0 * inv_var * centred
             if ctx.needs_input_grad[4]:
-                second = sum(torch.bmm(g.transpose(1, 2), z * z) for g, z in terms)  # sum_i g_ic z_i^2
+                square = torch.empty_like(x)
+                # sum_i g_ic z_i^2
+                second = sum(torch.bmm(g.transpose(1, 2), torch.mul(z, z, out=square)) for g, z in terms)
                 grad_inv_var = second - 2.0 * means * first + means * means * weight_sum
         return grad_x, None, None, grad_means, grad_inv_var
 
 
-def _expanded_distance(z: Tensor, inv_var: Tensor, scaled_means: Tensor, const: Tensor) -> Tensor:
-    """sum_d (z_d - mu_cd)^2 / sigma_cd^2 = (z*z) @ (1/sigma^2) - 2 z @ (mu/sigma^2) + const."""
-    dist = torch.bmm(z * z, inv_var.transpose(1, 2))
+def _expanded_distance(
+    z: Tensor, inv_var: Tensor, scaled_means: Tensor, const: Tensor, square: Optional[Tensor] = None
+) -> Tensor:
+    """sum_d (z_d - mu_cd)^2 / sigma_cd^2 = (z*z) @ (1/sigma^2) - 2 z @ (mu/sigma^2) + const;
+    ``square``, optional, receives z*z."""
+    square = z * z if square is None else torch.mul(z, z, out=square)
+    dist = torch.bmm(square, inv_var.transpose(1, 2))
     dist.baddbmm_(z, scaled_means.transpose(1, 2), alpha=-2.0).add_(const)
     # The expansion can go a few ulps below zero where z sits on a centre.
     return dist.clamp_min_(0.0)
@@ -194,12 +205,23 @@ class DiagonalGMM(nn.Module):
         num_groups: number of independent mixtures (e.g. one per head).
         centroid_grad_mult: c_grad, multiplies the gradient reaching the means (the paper
             trains centroids with a larger step than the rest of the network).
+        init: "xavier" or "spread" (see ``reset_parameters``).
     """
 
-    def __init__(self, num_components: int, dim: int, num_groups: int = 1, centroid_grad_mult: float = 1.0):
+    def __init__(
+        self,
+        num_components: int,
+        dim: int,
+        num_groups: int = 1,
+        centroid_grad_mult: float = 1.0,
+        init: str = "xavier",
+    ):
         super().__init__()
         if num_components < 1:
             raise ValueError(f"a GMM needs at least one component, got {num_components}")
+        if init not in GMM_INITS:
+            raise ValueError(f"GMM initialisation must be one of {GMM_INITS}, got {init!r}")
+        self.init = init
         self.num_components = num_components
         self.dim = dim
         self.num_groups = num_groups
@@ -210,11 +232,20 @@ class DiagonalGMM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # Inputs are layer-normed (or embedding-scaled) vectors with roughly unit variance per
-        # coordinate, so unit-variance components with N(0, 1) centres start well spread.
-        nn.init.normal_(self.means)
-        nn.init.zeros_(self.log_vars)
-        nn.init.zeros_(self.logits)
+        if self.init == "xavier":
+            # The DMA authors' initialisation: Xavier-normal logits, means and log-variances,
+            # i.e. N(0, 2 / (n_c + G)) logits and N(0, 2 / ((n_c + G) d)) means and log-variances
+            # (torch's fans of a (G, n_c, d) tensor). The centres start close together
+            # (std 0.09 for n_c = G = 4, d = 32) against inputs of unit scale, so the posteriors
+            # start soft and the mask close to uniform, and clusters separate as they train.
+            for p in (self.logits, self.means, self.log_vars):
+                nn.init.xavier_normal_(p)
+        else:
+            # "spread": unit-variance components with N(0, 1) centres, well apart for inputs of
+            # unit scale per coordinate, so the posteriors start peaked (and random)
+            nn.init.normal_(self.means)
+            nn.init.zeros_(self.log_vars)
+            nn.init.zeros_(self.logits)
 
     def _effective_means(self) -> Tensor:
         if self.centroid_grad_mult != 1.0 and self.means.requires_grad and torch.is_grad_enabled():
@@ -279,5 +310,5 @@ class DiagonalGMM(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_components={self.num_components}, dim={self.dim}, "
-            f"num_groups={self.num_groups}, centroid_grad_mult={self.centroid_grad_mult}"
+            f"num_groups={self.num_groups}, centroid_grad_mult={self.centroid_grad_mult}, init={self.init}"
         )

@@ -78,6 +78,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import blocking
 from .gmm import at_least_fp32
 from .logspace import log_matmul_exp
 
@@ -246,13 +247,22 @@ class _InfoNCEScores(torch.autograd.Function):
     """f_ii - log sum_j exp f_ij with f = Q Q^T over the real keys j, shape (B, H, N).
 
     Keeps only Q and the log-partition for backward (autograd would keep the (B, H, N, N)
-    critic); the critic and its softmax are rebuilt there:
+    critic); the critic and its softmax are rebuilt there, block by block of sentences
+    (``blocking.py``):
         d/dQ_i = 2 g_i Q_i - sum_j (g_i w_ij + g_j w_ji) Q_j,   w = softmax_j(f).
     """
 
     @staticmethod
     def forward(ctx, post, key_valid):
-        log_partition = torch.logsumexp(_masked_critic(post, key_valid), dim=-1)
+        log_partition = post.new_empty(post.shape[:-1])
+        blocks = blocking.sentence_blocks(post.size(0), post.size(1) * post.size(2) ** 2)
+        for block in blocks:
+            critic = _masked_critic(post[block], None if key_valid is None else key_valid[block])
+            # logsumexp in place (torch.logsumexp allocates two more N x N tables)
+            shift = critic.amax(-1, keepdim=True)
+            shift.masked_fill_(torch.isinf(shift), 0.0)  # a sentence without real keys: -inf
+            log_partition[block] = critic.sub_(shift).exp_().sum(-1).log_().add_(shift.squeeze(-1))
+        ctx.blocks = blocks
         ctx.save_for_backward(post, key_valid, log_partition)
         return post.pow(2).sum(-1) - log_partition
 
@@ -266,10 +276,13 @@ class _InfoNCEScores(torch.autograd.Function):
         post, key_valid, log_partition = ctx.saved_tensors
         # a sentence without real keys has log_partition = -inf and no gradient
         shift = log_partition.masked_fill(torch.isinf(log_partition), 0.0).unsqueeze(-1)
-        weighted = _masked_critic(post, key_valid).sub_(shift).exp_().mul_(grad.unsqueeze(-1))
-        grad_post = torch.matmul(weighted, post)
-        grad_post.add_(torch.matmul(weighted.transpose(-1, -2), post))
-        grad_post = (2.0 * grad.unsqueeze(-1)) * post - grad_post
+        grad_post = torch.empty_like(post)
+        for block in ctx.blocks:
+            part, g = post[block], grad[block].unsqueeze(-1)
+            critic = _masked_critic(part, None if key_valid is None else key_valid[block])
+            weighted = critic.sub_(shift[block]).exp_().mul_(g)
+            total = torch.matmul(weighted, part).add_(torch.matmul(weighted.transpose(-1, -2), part))
+            grad_post[block] = (2.0 * g) * part - total
         return grad_post, None
 
 

@@ -108,7 +108,7 @@ def dqq_at_checkpoints(run_dir: Path, data: Path) -> List[Dict]:
     save_dir = run_dir / "checkpoints"
     paths = sorted(save_dir.glob("checkpoint[0-9]*.pt"), key=lambda p: int(re.findall(r"\d+", p.stem)[0]))
     rows = []
-    with runs._IN_PROCESS:  # one model in memory at a time, also when runs are concurrent
+    with runs.MEASURE_LOCK:  # one model in memory at a time, also when runs are concurrent
         for path in [*paths, save_dir / "checkpoint_last.pt"]:
             model, task, _ = load_model(path, str(data))
             model.zero_grad(set_to_none=True)

@@ -135,12 +135,12 @@ def redundancy(run_dir: Path, label: str, model_path, data, *, subset: str = "te
     if path.exists():
         log(f"[{label}] redundancy already measured ({path})")
         return json_load(path)
-    with _IN_PROCESS:
+    with MEASURE_LOCK:
         return _measure(path, label, model_path, data, subset, attentions, cpu, log)
 
 
 #: models loaded in this process are measured one at a time, also when runs are concurrent
-_IN_PROCESS = threading.Lock()
+MEASURE_LOCK = threading.Lock()
 
 
 def _measure(path, label, model_path, data, subset, attentions, cpu, log) -> Dict:

@@ -231,12 +231,10 @@ class MultiheadAttentionBase(nn.Module):
         if key is not None:
             if self.self_attention:
                 key = value = query
-                k_state = q_state
-                key_input = key
+                k_state = q_state  # its "input" went to the queries: keys read the given input
             else:
                 k_state = self.token_state(key)
-                key_input = k_state.pop("input", key)
-            k = self._split_heads(self.k_proj(key_input), self.key_heads)
+            k = self._split_heads(self.k_proj(k_state.pop("input", key)), self.key_heads)
             v = self._split_heads(self.v_proj(value), self.value_heads)
             # Expand before caching, so that the cache always has the query batch and beam
             # search's reordering (a bsz-sized new_order) applies to it.

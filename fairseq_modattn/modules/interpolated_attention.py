@@ -146,8 +146,7 @@ def log_semantic_mask(log_pq: Tensor, log_pk: Tensor) -> Tensor:
     """
     with torch.autocast(device_type=log_pq.device.type, enabled=False):
         dtype = torch.promote_types(torch.promote_types(log_pq.dtype, log_pk.dtype), torch.float32)
-        inner = torch.matmul(log_pq.to(dtype).exp(), log_pk.to(dtype).exp().transpose(-1, -2))
-        return inner.clamp_min(torch.finfo(dtype).tiny).log()
+        return _log_mask(log_pq.to(dtype).exp(), log_pk.to(dtype).exp())
 
 
 def _logits(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float, dtype: torch.dtype) -> Tensor:

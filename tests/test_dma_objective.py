@@ -286,6 +286,42 @@ def test_training_sample_feeds_the_query_projection_and_the_logits():
     torch.testing.assert_close(out, expected)
 
 
+def test_scaled_query_gmm_clusters_q_over_sqrt_d_and_the_logits_carry_its_sample():
+    """query_gmm_input="scaled" (the authors' code): the query GMM clusters u = q / sqrt(d) with
+    the sample u~ = u + s eps'; the logits are u~ k^T, so the queries carry sqrt(d) s eps'."""
+    m = make_dma(sample_inputs="attention", self_attention=True, query_gmm_input="scaled").train()
+    seen = {}
+    m.query_gmm.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.update(u=args[0], eps=kwargs["noise"]), with_kwargs=True
+    )
+    length, bsz = 5, 2
+    s, d = math.sqrt(m.noise_var), EMBED // HEADS
+    x = torch.randn(length, bsz, EMBED, dtype=DOUBLE)
+    torch.manual_seed(5)
+    m.collect_aux = True
+    out, _ = m(x, x, x)
+    torch.manual_seed(5)  # eps for the input first, then eps' for the queries
+    eps = torch.randn_like(x)
+    eps_q = torch.randn(bsz, HEADS, length, d, dtype=DOUBLE)
+
+    def heads(layer, t):
+        t = t @ layer.weight.detach().t() + layer.bias.detach()
+        return t.view(length, bsz, HEADS, d).permute(1, 2, 0, 3)
+
+    x_tilde = x + s * eps
+    q, k, v = heads(m.q_proj, x_tilde), heads(m.k_proj, x), heads(m.v_proj, x)
+    torch.testing.assert_close(seen["u"], q / math.sqrt(d))
+    torch.testing.assert_close(seen["eps"], eps_q)
+    u_tilde = q / math.sqrt(d) + s * eps_q
+    post = naive_posterior(x_tilde.view(length, bsz, HEADS, d).permute(1, 2, 0, 3), m.token_gmm)
+    plain = torch.softmax(u_tilde @ k.transpose(-1, -2), -1)
+    masked = (post @ post.transpose(-1, -2)) * plain
+    final = (1 - m.gamma) * plain + m.gamma * masked / masked.sum(-1, keepdim=True)
+    attended = (final @ v).permute(2, 0, 1, 3).reshape(length, bsz, EMBED)
+    torch.testing.assert_close(out, attended @ m.out_proj.weight.detach().t() + m.out_proj.bias.detach())
+    assert all(torch.isfinite(value).all() for value in m.aux_losses.values())
+
+
 def test_encoder_decoder_sample_reaches_keys_not_values_and_nothing_at_inference():
     m = make_dma(sample_inputs="attention", encoder_decoder_attention=True)
     seen = {}

@@ -22,9 +22,11 @@ attention type and summed over the three types, then divided by the number of ta
 together with the cross-entropy (``--dma-loss-reduction sentence``); L_Dqq is the bounded
 -log(1 - p) form (``--dma-qq-form bounded``), L_dv the entrywise mean (``--dma-div-form
 entrywise``), alpha = 0.9, s^2 = 0.01, and the training sample feeds the attention
-(``--dma-sample-inputs attention``). ``--dma-objective paper`` gives the reading of the paper's
+(``--dma-sample-inputs attention``), and the query GMM clusters q / sqrt(d), sampled there
+(``--dma-query-gmm-input scaled``). ``--dma-objective paper`` gives the reading of the paper's
 text instead (per-token means over all modules, CLUB L_Dqq, Eq. 14's L_dv, alpha 0.5, s^2 0.1,
-the sample seen by the token GMM only); every flag can also be set on its own.
+the sample seen by the token GMM only, the query GMM on q); every flag can also be set on its
+own.
 
 =================== ============ ===========
 flag                authors      paper
@@ -35,11 +37,12 @@ flag                authors      paper
 --dma-alpha         0.9          0.5
 --dma-noise-var     0.01         0.1
 --dma-sample-inputs attention    gmm
+--dma-query-gmm-input scaled     raw
 =================== ============ ===========
 
-The four places where the authors' code is wrong stay fixed in both: the KL is VaDE's
-KL(q(z, c | x) || p(z, c)) (their code has KL(pi || P)), padded tokens enter no term, decoder
-self-attention respects key padding, and the query GMM clusters q (theirs: q / sqrt(d)).
+The three places where the authors' code is wrong stay fixed in both: the KL is VaDE's
+KL(q(z, c | x) || p(z, c)) (their code has KL(pi || P)), padded tokens enter no term, and
+decoder self-attention respects key padding.
 
 The model returns its regularisers in the decoder's ``extra`` dict (``aux_losses``;
 ``aux_loss_weights``: their signed weights; ``aux_reduction``: "sum" when they are already
@@ -59,7 +62,13 @@ from fairseq.models.transformer import (
 )
 from fairseq.utils import safe_getattr
 
-from ..modules.dma_attention import ATTENTION_IMPLS, AUX_LOSS_NAMES, SAMPLE_INPUTS, DisentangledMaskAttention
+from ..modules.dma_attention import (
+    ATTENTION_IMPLS,
+    AUX_LOSS_NAMES,
+    QUERY_GMM_INPUTS,
+    SAMPLE_INPUTS,
+    DisentangledMaskAttention,
+)
 from ..modules.gmm import GMM_INITS
 from ..modules.mi_bounds import DIV_FORMS, QQ_FORMS
 from .transformer_variant import (
@@ -84,6 +93,7 @@ OBJECTIVES = {
         "dma_alpha": 0.9,
         "dma_noise_var": 0.01,
         "dma_sample_inputs": "attention",
+        "dma_query_gmm_input": "scaled",
     },
     "paper": {
         "dma_loss_reduction": "token",
@@ -92,6 +102,7 @@ OBJECTIVES = {
         "dma_alpha": 0.5,
         "dma_noise_var": 0.1,
         "dma_sample_inputs": "gmm",
+        "dma_query_gmm_input": "raw",
     },
 }
 
@@ -118,6 +129,7 @@ def validate_dma_args(args):
         ("qq_form", QQ_FORMS),
         ("div_form", DIV_FORMS),
         ("sample_inputs", SAMPLE_INPUTS),
+        ("query_gmm_input", QUERY_GMM_INPUTS),
         ("gmm_init", GMM_INITS),
     ):
         value = getattr(args, "dma_" + flag)
@@ -149,6 +161,7 @@ def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int
         centroid_grad_mult=cfg.dma_centroid_grad_mult,
         attention_impl=safe_getattr(cfg, "dma_attention_impl", "auto"),
         sample_inputs=cfg.dma_sample_inputs,
+        query_gmm_input=cfg.dma_query_gmm_input,
         qq_form=cfg.dma_qq_form,
         div_form=cfg.dma_div_form,
         per_sentence_losses=cfg.dma_loss_reduction == "sentence",
@@ -197,8 +210,8 @@ class DMATransformerModel(TransformerVariantModel):
                                 "produced the paper's numbers and for which Table 5's weights were "
                                 "tuned) or 'paper' (the paper's text): sets the defaults of "
                                 "--dma-loss-reduction, --dma-qq-form, --dma-div-form, --dma-alpha, "
-                                "--dma-noise-var and --dma-sample-inputs, each of which may still "
-                                "be given")
+                                "--dma-noise-var, --dma-sample-inputs and --dma-query-gmm-input, "
+                                "each of which may still be given")
         group.add_argument("--dma-loss-reduction", choices=LOSS_REDUCTIONS, metavar="R",
                            help="'sentence': each regulariser summed over the batch's sentences, "
                                 "averaged over the layers of each attention type, summed over the "
@@ -216,6 +229,11 @@ class DMATransformerModel(TransformerVariantModel):
                            help="where the training sample z + s*eps goes: 'attention', the "
                                 "attention inputs and queries as well as the GMMs (authors), or "
                                 "'gmm', the token GMM only (paper)")
+        group.add_argument("--dma-query-gmm-input", choices=QUERY_GMM_INPUTS, metavar="Q",
+                           help="what the query GMM clusters: 'scaled', q / sqrt(d), the query as "
+                                "fairseq's attention scales it, sampled there, so the logits' "
+                                "queries carry the noise sqrt(d) s (authors), or 'raw', q = W_q x "
+                                "(paper)")
         group.add_argument("--dma-gmm-init", choices=GMM_INITS, metavar="INIT",
                            help="'xavier' (default; the authors': centres close together, soft "
                                 "posteriors at the start) or 'spread' (N(0, 1) centres, unit "

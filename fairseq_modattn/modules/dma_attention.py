@@ -20,6 +20,15 @@ Where the training sample goes (``sample_inputs``):
       which the query GMM clusters and the logits q~ k^T / sqrt(d) use. Eq. 4 takes the
       likelihood at the sample, so the attention sees the point the GMM clustered.
 
+What the query GMM clusters (``query_gmm_input``):
+
+    * "raw" (the paper's text): q = W_q x, sampled as q~ = q + s eps';
+    * "scaled" (the authors' code): u = q / sqrt(d), the query as fairseq's attention holds it
+      once scaled, sampled as u~ = u + s eps'; the logits are then u~ k^T, i.e. the queries
+      carry the noise sqrt(d) s eps'. A GMM on u is a GMM on q with its centres and spreads
+      rescaled, so the model class is the same; what changes is the scale the GMM, its
+      initialisation and the noise s act at.
+
 The semantic mask of head h is M_ij = sum_c P^q_ic P^k_jc and the masked attention
 
     A~ = normalise_j(M * A) = softmax_j(q k^T / sqrt(d) + masks + log M)           (exact)
@@ -76,6 +85,8 @@ AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
 ATTENTION_IMPLS = ("auto", "fused", "sdpa")
 #: where the training sample z~ = z + s eps goes: the token GMM only, or also the attention
 SAMPLE_INPUTS = ("gmm", "attention")
+#: what the query GMM clusters: q ("raw", the paper) or q / sqrt(d) ("scaled", the authors' code)
+QUERY_GMM_INPUTS = ("raw", "scaled")
 
 
 def annealing_rate(num_updates: int, alpha: float, rate: float) -> float:
@@ -95,6 +106,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         mask_at_inference: keep the mask in eval mode (False for decoder self-attention by
             default, as in the paper).
         sample_inputs: "gmm" or "attention" (see the module docstring).
+        query_gmm_input: "raw" or "scaled" (see the module docstring).
         qq_form, div_form: the forms of L_Dqq ("club", "bounded") and L_dv ("paper",
             "entrywise"), see ``mi_bounds``.
         per_sentence_losses: report each regulariser per sentence (B,) instead of a batch mean.
@@ -121,6 +133,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         mask_at_inference: bool = True,
         attention_impl: str = "auto",
         sample_inputs: str = "gmm",
+        query_gmm_input: str = "raw",
         qq_form: str = "club",
         div_form: str = "paper",
         per_sentence_losses: bool = False,
@@ -141,6 +154,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             raise ValueError(f"--dma-attention-impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         for flag, value, choices in (
             ("--dma-sample-inputs", sample_inputs, SAMPLE_INPUTS),
+            ("--dma-query-gmm-input", query_gmm_input, QUERY_GMM_INPUTS),
             ("--dma-qq-form", qq_form, QQ_FORMS),
             ("--dma-div-form", div_form, DIV_FORMS),
         ):
@@ -159,6 +173,9 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         self.mask_at_inference = mask_at_inference
         self.attention_impl = attention_impl
         self.sample_inputs = sample_inputs
+        self.query_gmm_input = query_gmm_input
+        #: u = query_gmm_scale * q is what the query GMM clusters
+        self.query_gmm_scale = self.head_dim**-0.5 if query_gmm_input == "scaled" else 1.0
         self.qq_form = qq_form
         self.div_form = div_form
         self.per_sentence_losses = per_sentence_losses
@@ -228,9 +245,10 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         if self.samples_attention:
             query_noise = torch.randn(q.shape, dtype=q.dtype, device=q.device)
         if self.collect_aux:
-            self.aux_losses = self.regularisers(q, q_state, k_state, key_padding_mask, query_noise)
-        if query_noise is not None:
-            q = torch.add(q, query_noise, alpha=math.sqrt(self.noise_var))
+            u = q if self.query_gmm_scale == 1.0 else q * self.query_gmm_scale
+            self.aux_losses = self.regularisers(u, q_state, k_state, key_padding_mask, query_noise)
+        if query_noise is not None:  # q~ = (u + s eps') / scale
+            q = torch.add(q, query_noise, alpha=math.sqrt(self.noise_var) / self.query_gmm_scale)
         if need_weights:
             log_m = None
             if gamma > 0.0:
@@ -282,8 +300,9 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         query_noise: Optional[Tensor] = None,
     ) -> Dict[str, Tensor]:
         """KL (both GMMs), L_Dqq, L_Dxq and L_dv of this module, each a batch mean or, with
-        ``per_sentence_losses``, a (B,) vector (see mi_bounds). ``query_noise``: eps' of the
-        sampled queries q~ = q + s eps' that the query GMM clusters ("attention" sampling)."""
+        ``per_sentence_losses``, a (B,) vector (see mi_bounds). ``q``: what the query GMM
+        clusters (the queries, scaled by ``query_gmm_scale``); ``query_noise``: eps' of its
+        sample q + s eps' ("attention" sampling)."""
         key_valid = None if key_padding_mask is None else ~key_padding_mask.bool()
         if self.self_attention:
             query_valid = key_valid
@@ -323,5 +342,5 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, clusters={self.num_clusters}, "
             f"alpha={self.alpha}, anneal_rate={self.anneal_rate}, mask_at_inference={self.mask_at_inference}, "
-            f"sample_inputs={self.sample_inputs}, qq_form={self.qq_form}, div_form={self.div_form}"
+            f"sample_inputs={self.sample_inputs}, query_gmm_input={self.query_gmm_input}, qq_form={self.qq_form}, div_form={self.div_form}"
         )

@@ -236,7 +236,8 @@ def main(argv=None) -> int:
         # seed by seed, so that the first complete comparison is known early
         order = [(m, s) for s in sorted(set(args.seeds) | set(args.paper_seeds)) for m in args.models
                  if s in (args.paper_seeds if m == "dma_paper" else args.seeds)]
-        log(f"{len(order)} runs ({', '.join(args.models)}; seeds {args.seeds}, dma_paper {args.paper_seeds}), "
+        paper = f", dma_paper {args.paper_seeds}" if "dma_paper" in args.models else ""
+        log(f"{len(order)} runs ({', '.join(args.models)}; seeds {args.seeds}{paper}), "
             f"{args.max_update} updates each, {args.jobs} at a time")
         results = runs.run_concurrently(lambda ms: one_run(*ms, args, log), order, args.jobs)
     except AnalysisError as e:

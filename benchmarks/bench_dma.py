@@ -57,6 +57,12 @@ Generation (skip with ``--no-generate``)
     exactly ``--gen-len`` tokens + EOS whatever the weights and both models decode the same
     number of steps (checked). Reported: sentences/s (median over ``--gen-repeats`` full passes
     after one warm-up batch) and the ratio DMA / transformer (> 1 means DMA is faster).
+    SequenceGenerator sets the beam size on models that have ``set_beam_size``: this package's
+    models do, and their encoder-decoder attention then reads one copy of each sentence's
+    encoder keys for its beams; fairseq 0.12's ``TransformerModel`` has no such method, so its
+    attention reads one copy per beam. The transformer therefore also runs with its own
+    attention's beam-shared keys switched on (``transformer_shared_keys``, the same
+    translations, checked), and the ratio against it is reported beside the first.
 
 Results depend on the plugin sources of the checkout; the JSON records the git commit, whether
 fairseq_modattn/ has uncommitted changes, and a hash of its sources.
@@ -74,6 +80,7 @@ Examples:
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -96,6 +103,7 @@ logging.disable(logging.WARNING)  # fairseq's import-time notices; errors still 
 import fairseq  # noqa: E402
 from fairseq import criterions, models, options  # noqa: E402
 from fairseq.data import Dictionary, data_utils  # noqa: E402
+from fairseq.modules import MultiheadAttention  # noqa: E402
 from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
 from fairseq.tasks.translation import TranslationTask  # noqa: E402
 
@@ -390,10 +398,32 @@ def generation_batches(cfg, d: Dictionary, device):
     return batches, lengths
 
 
+#: the transformer once more, with fairseq's own beam-shared encoder keys switched on
+SHARED_BASELINE = "transformer_shared_keys"
+
+
+@contextlib.contextmanager
+def fairseq_beam_shared_keys(model, beam: int):
+    """fairseq's MultiheadAttention keeps one copy of each sentence's encoder keys for its beams
+    when its beam size is set (``set_beam_size``), but fairseq 0.12's SequenceGenerator sets it
+    only on models that have ``set_beam_size``, which ``TransformerModel`` has not; this
+    package's models have it (``TransformerVariantModel.set_beam_size``). Set it on the
+    transformer's own attention modules for the block."""
+    modules = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
+    for m in modules:
+        m.set_beam_size(beam)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_beam_size(1)
+
+
 def time_generation(entries, cfg, d, device):
     """Seconds per full pass of every model over the same sources (``--gen-repeats`` passes each,
     models interleaved, after one warm-up batch), and what was decoded. Checks that every
-    hypothesis has exactly ``--gen-len`` tokens + EOS, so all models decode the same steps."""
+    hypothesis has exactly ``--gen-len`` tokens + EOS, so all models decode the same steps, and
+    that the transformer translates alike with and without beam-shared encoder keys."""
     batches, src_lengths = generation_batches(cfg, d, device)
     generators = {}
     for e in entries:
@@ -403,26 +433,34 @@ def time_generation(entries, cfg, d, device):
             [e["model"]], e["task"].target_dictionary, beam_size=cfg.beam,
             max_len_a=0, max_len_b=cfg.gen_len, min_len=cfg.gen_len,
         )
+    baseline = next(e for e in entries if e["name"] == "transformer")
+    runs = [(e["name"], e, contextlib.nullcontext) for e in entries]
+    runs.append((SHARED_BASELINE, baseline, lambda: fairseq_beam_shared_keys(baseline["model"], cfg.beam)))
 
     def run_pass(e, subset):
-        return [len(hypos[0]["tokens"]) for sample in subset
+        return [hypos[0]["tokens"] for sample in subset
                 for hypos in generators[e["name"]].generate([e["model"]], sample)]
 
-    for e in entries:  # warm-up: one batch
-        run_pass(e, batches[:1])
-    times = {e["name"]: [] for e in entries}
-    out_lengths = {}
+    for _, e, context in runs:  # warm-up: one batch
+        with context():
+            run_pass(e, batches[:1])
+    times = {name: [] for name, _, _ in runs}
+    outputs = {}
     for _ in range(cfg.gen_repeats):
-        for e in entries:
-            sync(device)
-            start = time.perf_counter()
-            out_lengths[e["name"]] = run_pass(e, batches)
-            sync(device)
-            times[e["name"]].append(time.perf_counter() - start)
+        for name, e, context in runs:
+            with context():
+                sync(device)
+                start = time.perf_counter()
+                outputs[name] = run_pass(e, batches)
+                sync(device)
+                times[name].append(time.perf_counter() - start)
     expected = cfg.gen_len + 1
-    for name, lens in out_lengths.items():
-        if set(lens) != {expected}:
-            raise RuntimeError(f"{name}: hypotheses of lengths {sorted(set(lens))}, expected all {expected}")
+    for name, tokens in outputs.items():
+        lens = {len(t) for t in tokens}
+        if lens != {expected}:
+            raise RuntimeError(f"{name}: hypotheses of lengths {sorted(lens)}, expected all {expected}")
+    if not all(torch.equal(a, b) for a, b in zip(outputs["transformer"], outputs[SHARED_BASELINE])):
+        raise RuntimeError("the transformer's translations changed with beam-shared encoder keys")
     meta = {"sentences": cfg.gen_sentences, "batch_size": cfg.gen_batch_size, "beam": cfg.beam,
             "max_len_a": 0, "max_len_b": cfg.gen_len, "min_len": cfg.gen_len,
             "output_tokens_per_hypothesis": expected,
@@ -432,12 +470,15 @@ def time_generation(entries, cfg, d, device):
 
 def bench_generation(entries, cfg, d, device):
     times, result = time_generation(entries, cfg, d, device)
-    for name in ("transformer", "dma"):
+    for name in ("transformer", SHARED_BASELINE, "dma"):
         sec = statistics.median(times[name])
         result[f"{name}_seconds"] = sec
         result[f"{name}_seconds_all"] = times[name]
         result[f"{name}_sentences_per_s"] = cfg.gen_sentences / sec
     result["sentences_per_s_ratio"] = result["dma_sentences_per_s"] / result["transformer_sentences_per_s"]
+    result["sentences_per_s_ratio_shared_keys"] = (
+        result["dma_sentences_per_s"] / result[f"{SHARED_BASELINE}_sentences_per_s"]
+    )
     return result
 
 
@@ -706,6 +747,8 @@ def main(argv=None):
         print(f"  transformer {g['transformer_sentences_per_s']:8.2f} sentences/s | DMA "
               f"{g['dma_sentences_per_s']:8.2f} sentences/s | ratio DMA/transformer "
               f"{g['sentences_per_s_ratio']:.2f}")
+        print(f"  transformer with fairseq's beam-shared encoder keys {g[SHARED_BASELINE + '_sentences_per_s']:8.2f} "
+              f"sentences/s | ratio DMA/that transformer {g['sentences_per_s_ratio_shared_keys']:.2f}")
 
     if cfg.profile is not None:
         print(f"\ntop ops of one DMA training step at length {cfg.profile}, "

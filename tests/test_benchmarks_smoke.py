@@ -49,7 +49,8 @@ def test_bench_dma_quick(tmp_path):
         assert row["dma_gamma"] > 0, "the DMA mask path was not exercised"
 
     gen = results["generation"]
-    for key in ("transformer_sentences_per_s", "dma_sentences_per_s", "sentences_per_s_ratio"):
+    for key in ("transformer_sentences_per_s", "dma_sentences_per_s", "sentences_per_s_ratio",
+                "transformer_shared_keys_sentences_per_s", "sentences_per_s_ratio_shared_keys"):
         assert positive_finite(gen.get(key)), f"generation: {key} = {gen.get(key)!r}"
     assert gen["output_tokens_per_hypothesis"] == results["config"]["gen_len"] + 1
 

@@ -243,19 +243,27 @@ def test_decoder_self_attention_incremental_weights():
 
 
 @pytest.mark.parametrize("expand_encoder", [True, False])
-def test_encoder_decoder_attention_incremental_with_reorder(expand_encoder):
+@pytest.mark.parametrize("beam_size_set", [False, True])
+def test_encoder_decoder_attention_incremental_with_reorder(expand_encoder, beam_size_set):
     """Beams of one sentence share identical encoder states: a reorder within each sentence's
     beams leaves the encoder cache valid; a shrinking batch (finished sentence) selects rows.
-    expand_encoder=False feeds the encoder states un-expanded (kv_bsz = bsz / beam)."""
+    expand_encoder=False feeds the encoder states un-expanded (kv_bsz = bsz / beam).
+    beam_size_set: fairseq's set_beam_size was called (SequenceGenerator does), so the cache
+    holds one copy of the keys per sentence and the beams' queries share it."""
     m = make_dma(8, num_updates=5000, encoder_decoder_attention=True).eval()
     n_sent, beam, src_len, steps, t0 = 3, 2, 5, 5, 1
+    if beam_size_set:
+        m.set_beam_size(beam)
+    projected = []
+    m.k_proj.register_forward_hook(lambda mod, inp, out: projected.append(inp[0].size(1)))
     bsz = n_sent * beam
     enc = torch.randn(src_len, n_sent, EMBED)
     kpm = padding([5, 3, 4], src_len)
     enc_exp, kpm_exp = enc.repeat_interleave(beam, 1), kpm.repeat_interleave(beam, 0)
     enc_in, kpm_in = (enc_exp, kpm_exp) if expand_encoder else (enc, kpm)
     y = torch.randn(steps, bsz, EMBED)
-    full, _ = m(y, enc_exp, enc_exp, key_padding_mask=kpm_exp, static_kv=True)
+    full, full_w = m(y, enc_exp, enc_exp, key_padding_mask=kpm_exp, static_kv=True, need_head_weights=True)
+    projected.clear()
 
     within = torch.tensor([1, 1, 2, 3, 5, 4])  # reorder/duplicate within each sentence's beams
     keep = torch.tensor([2, 3, 4, 5])  # sentence 0 finished: drop its beams
@@ -267,13 +275,22 @@ def test_encoder_decoder_attention_incremental_with_reorder(expand_encoder):
             rows = within
         else:
             rows = within[keep]
-        o, _ = m(y[t : t + 1, rows], enc_in, enc_in, key_padding_mask=kpm_in, static_kv=True, incremental_state=inc)
+        o, w = m(
+            y[t : t + 1, rows], enc_in, enc_in, key_padding_mask=kpm_in, static_kv=True, incremental_state=inc,
+            need_weights=(t % 2 == 1), need_head_weights=(t % 2 == 1),
+        )
         torch.testing.assert_close(o, full[t : t + 1, rows], rtol=1e-5, atol=1e-6, msg=f"step {t}")
+        if w is not None:
+            torch.testing.assert_close(w, full_w[:, rows, t : t + 1], rtol=1e-5, atol=1e-6, msg=f"step {t}")
         if t == t0:
             m.reorder_incremental_state(inc, within)
         if t == t0 + 2:
             m.reorder_incremental_state(inc, keep)
-            assert m._get_input_buffer(inc)["prev_key"].size(0) == len(keep)
+            cached = m._get_input_buffer(inc)
+            expected_rows = len(keep) // beam if beam_size_set else len(keep)
+            assert cached["prev_key"].size(0) == cached["prev_log_p"].size(0) == expected_rows
+    # the encoder states are projected once, one copy per sentence when the beams share them
+    assert projected == [n_sent if beam_size_set or not expand_encoder else bsz]
 
 
 def test_incremental_cache_holds_projected_keys_growing_by_one():
@@ -437,3 +454,52 @@ def test_too_few_clusters():
         DisentangledMaskAttention(16, 2, self_attention=True, num_clusters=0)
     with pytest.raises(ValueError, match="--dma-clusters"):
         build_model("--dma-clusters", "0")
+
+
+def test_beam_search_shares_encoder_keys_among_beams_exactly():
+    """fairseq's SequenceGenerator sets the beam size on every module; encoder-decoder attention
+    then caches one copy of each sentence's keys (and key posteriors) for its beams. The
+    hypotheses and their scores equal those of the same model attending to one copy per beam,
+    through reorderings and sentences that finish early."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model, dictionary = build_model()
+    model.set_num_updates(3000)
+    model.eval()
+    pad = dictionary.pad()
+    torch.manual_seed(4)
+    lengths = [7, 3, 5, 6]
+    src = torch.full((len(lengths), max(lengths)), pad)
+    for i, n in enumerate(lengths):
+        src[i, -n:] = torch.randint(4, len(dictionary), (n,))
+        src[i, -1] = dictionary.eos()
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor(lengths)}}
+    eos = dictionary.eos()
+
+    def favour_eos(module, inputs, logits):  # so that hypotheses end at different steps
+        logits[..., eos] += 2.0
+        return logits
+
+    model.decoder.output_projection.register_forward_hook(favour_eos)
+    results, cached_rows = {}, {}
+    for shared in (True, False):
+        generator = SequenceGenerator([model], dictionary, beam_size=3, max_len_a=0, max_len_b=30)
+        encoder_attentions = [layer.encoder_attn for layer in model.decoder.layers]
+        assert all(m.beam_size == 3 for m in encoder_attentions)
+        if not shared:
+            for m in encoder_attentions:
+                m.beam_size = 1
+        rows = []
+        hook = encoder_attentions[0].k_proj.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].size(1)))
+        with torch.no_grad():
+            results[shared] = generator.forward(sample)
+        hook.remove()
+        cached_rows[shared] = rows
+    assert cached_rows == {True: [len(lengths)], False: [3 * len(lengths)]}
+    ended_early = 0
+    for with_sharing, without in zip(results[True], results[False]):
+        for a, b in zip(with_sharing, without):
+            assert torch.equal(a["tokens"], b["tokens"])
+            torch.testing.assert_close(a["positional_scores"], b["positional_scores"], rtol=1e-5, atol=1e-5)
+            ended_early += int(a["tokens"].numel() < 31)
+    assert ended_early > 0  # some hypotheses ended before max_len: the batch shrank on the way

@@ -24,6 +24,8 @@ from fairseq.models.transformer import (
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
+from ..modules.attention_base import MultiheadAttentionBase
+
 ATTENTION_TYPES = ("enc_self", "dec_self", "enc_dec")
 
 
@@ -131,3 +133,13 @@ class TransformerVariantModel(TransformerModel):
     def build_decoder(cls, args, tgt_dict, embed_tokens):
         cfg = TransformerConfig.from_namespace(args)
         return cls.decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+    def set_beam_size(self, beam_size: int):
+        """Called by fairseq's SequenceGenerator (``EnsembleModel.set_decoder_beam_size``) on a
+        model that has it: this package's attention modules then keep one copy of each
+        sentence's encoder keys for its beams (``MultiheadAttentionBase``). fairseq's own
+        ``MultiheadAttention`` modules are left as fairseq 0.12 runs them in a
+        ``TransformerModel``, which has no such method (beam size 1)."""
+        for module in self.modules():
+            if isinstance(module, MultiheadAttentionBase):
+                module.set_beam_size(beam_size)

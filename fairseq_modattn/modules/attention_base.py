@@ -11,7 +11,9 @@ initialisation) that owns everything a variant should not have to re-implement:
       time for self-attention and computed once for encoder-decoder attention (``static_kv``);
     * beam-search reordering of that cache;
     * padding and causal masks turned into one additive -inf mask of shape (B|1, 1, T, S);
-    * encoder states with a smaller batch than the queries (``kv_bsz != bsz``);
+    * encoder states with a smaller batch than the queries (``kv_bsz != bsz``), and in beam
+      search (fairseq's ``set_beam_size``) one copy of a sentence's encoder keys shared by its
+      beams, as fairseq's own attention keeps them;
     * head-averaged / per-head weights for fairseq callers (``need_weights``,
       ``need_head_weights``) and opt-in recording of the weights for analysis.
 
@@ -147,6 +149,8 @@ class MultiheadAttentionBase(nn.Module):
         self.v_proj = self.build_projection(self.vdim, embed_dim, bias, "v")
         self.out_proj = self.build_projection(embed_dim, embed_dim, bias, "out")
 
+        #: fairseq's beam size (``set_beam_size``); > 1 shares encoder keys among the beams
+        self.beam_size = 1
         #: set to True (see ``capture_attention``) to keep the last weights in ``last_weights``
         self.record_weights = False
         self.last_weights: Optional[Tensor] = None
@@ -217,6 +221,7 @@ class MultiheadAttentionBase(nn.Module):
             raise NotImplementedError(f"{type(self).__name__} does not return pre-softmax scores")
         need_weights = need_weights or need_head_weights or self.record_weights
         tgt_len, bsz, _ = query.shape
+        beams = self._beams_sharing_keys(incremental_state, bsz)
 
         saved: Dict[str, Optional[Tensor]] = {}
         if incremental_state is not None:
@@ -233,12 +238,20 @@ class MultiheadAttentionBase(nn.Module):
                 key = value = query
                 k_state = q_state  # its "input" went to the queries: keys read the given input
             else:
+                if beams > 1 and key.size(1) == bsz:
+                    # SequenceGenerator repeats each sentence's encoder states for its beams:
+                    # one copy per sentence is projected, cached and attended to
+                    key, value = key[:, ::beams], value[:, ::beams]
+                    if key_padding_mask is not None:
+                        key_padding_mask = key_padding_mask[::beams]
                 k_state = self.token_state(key)
             k = self._split_heads(self.k_proj(k_state.pop("input", key)), self.key_heads)
             v = self._split_heads(self.v_proj(value), self.value_heads)
-            # Expand before caching, so that the cache always has the query batch and beam
-            # search's reordering (a bsz-sized new_order) applies to it.
-            k, v, k_state, key_padding_mask = self._expand_to_batch(bsz, k, v, k_state, key_padding_mask)
+            # Expand before caching (to one copy per sentence when the beams share it), so that
+            # beam search's reordering applies to the cache (``reorder_incremental_state``).
+            k, v, k_state, key_padding_mask = self._expand_to_batch(
+                bsz // beams, k, v, k_state, key_padding_mask
+            )
 
         if incremental_state is not None:
             k_state = {name: k_state[name] for name in self.cached_state_names if name in k_state}
@@ -266,13 +279,25 @@ class MultiheadAttentionBase(nn.Module):
                     saved["prev_" + name] = t
                 self._set_input_buffer(incremental_state, saved)
 
-        k, v, k_state, key_padding_mask = self._expand_to_batch(bsz, k, v, k_state, key_padding_mask)
+        k, v, k_state, key_padding_mask = self._expand_to_batch(bsz // beams, k, v, k_state, key_padding_mask)
 
         src_len = k.size(2)
+        if beams > 1:
+            # the beams' queries become extra query rows of their sentence: exact, as every
+            # query row attends on its own, and each sentence's keys are read once
+            q = _fold_beams(q, beams)
+            q_state = {name: _fold_beams(t, beams) for name, t in q_state.items()}
+            if attn_mask is not None:
+                if attn_mask.dim() != 2:
+                    raise ValueError("a per-hypothesis attn_mask cannot be combined with beam-shared encoder keys")
+                attn_mask = attn_mask.repeat(beams, 1)
         mask = additive_attention_mask(
-            key_padding_mask, attn_mask, bsz, self.num_heads, tgt_len, src_len, q.dtype
+            key_padding_mask, attn_mask, bsz // beams, self.num_heads, beams * tgt_len, src_len, q.dtype
         )
         out, weights = self.attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
+        if beams > 1:
+            out = _unfold_beams(out, beams)
+            weights = None if weights is None else _unfold_beams(weights, beams)
 
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1)
         out = self.out_proj(out)
@@ -285,6 +310,15 @@ class MultiheadAttentionBase(nn.Module):
         if need_head_weights:
             return out, weights.transpose(0, 1)
         return out, weights.mean(dim=1)
+
+    def _beams_sharing_keys(self, incremental_state, bsz: int) -> int:
+        """How many consecutive queries share one sentence's encoder keys: fairseq's beam size in
+        the incremental decoding of encoder-decoder attention, else 1."""
+        if not (self.encoder_decoder_attention and incremental_state is not None and self.beam_size > 1):
+            return 1
+        if bsz % self.beam_size != 0:
+            raise ValueError(f"a batch of {bsz} hypotheses is not a whole number of beams of {self.beam_size}")
+        return self.beam_size
 
     @staticmethod
     def _expand_to_batch(
@@ -332,6 +366,13 @@ class MultiheadAttentionBase(nn.Module):
         for name, cached in buffer.items():
             if cached is None:
                 continue
+            if self.encoder_decoder_attention and self.beam_size > 1:
+                # one cached copy per sentence: a reordering among the same sentences' beams
+                # leaves it as it is; finished sentences are dropped (as fairseq's attention does)
+                if cached.size(0) * self.beam_size != new_order.size(0):
+                    sentences = new_order.view(-1, self.beam_size)[:, 0] // self.beam_size
+                    buffer[name] = cached.index_select(0, sentences)
+                continue
             if self.encoder_decoder_attention and cached.size(0) == new_order.size(0):
                 # The beams of a sentence share identical encoder keys, so a reordering that
                 # keeps the batch size is a no-op here (fairseq's MultiheadAttention skips it
@@ -341,7 +382,21 @@ class MultiheadAttentionBase(nn.Module):
         return self._set_input_buffer(incremental_state, buffer)
 
     def set_beam_size(self, beam_size: int):
-        """Accepted for API compatibility; shared encoder states are handled in ``forward``."""
+        """fairseq's hook (``SequenceGenerator`` calls it through the decoder): with a beam size
+        above 1, encoder-decoder attention keeps one copy of each sentence's keys for its beams."""
+        self.beam_size = beam_size
+
+
+def _fold_beams(t: Tensor, beams: int) -> Tensor:
+    """(n * beams, h, T, *) -> (n, h, beams * T, *): each sentence's beams as consecutive rows."""
+    folded = t.view(t.size(0) // beams, beams, *t.shape[1:]).transpose(1, 2)
+    return folded.reshape(folded.size(0), folded.size(1), -1, *t.shape[3:])
+
+
+def _unfold_beams(t: Tensor, beams: int) -> Tensor:
+    """The inverse of ``_fold_beams``: (n, h, beams * T, *) -> (n * beams, h, T, *)."""
+    unfolded = t.view(t.size(0), t.size(1), beams, -1, *t.shape[3:]).transpose(1, 2)
+    return unfolded.reshape(-1, *unfolded.shape[2:])
 
 
 @contextmanager

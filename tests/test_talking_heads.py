@@ -10,6 +10,7 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 from fairseq.tasks.translation import TranslationTask
 
+from beam_search_checks import check_beam_shared_keys_are_exact
 import fairseq_modattn  # noqa: F401  (registers the plugin)
 from fairseq_modattn.models.talking_heads_transformer import TalkingHeadsTransformerModel
 from fairseq_modattn.modules import TalkingHeadsAttention
@@ -377,3 +378,8 @@ def test_checkpoint_of_another_architecture_is_refused():
     model, _ = build_model()
     with pytest.raises(RuntimeError, match="no talking-heads parameters"):
         model.load_state_dict(plain.state_dict())
+
+
+def test_beam_search_shares_encoder_keys_among_beams_exactly():
+    model, dictionary = build_model("--th-attention", "enc_self,dec_self,enc_dec", "--th-value-heads", "2")
+    check_beam_shared_keys_are_exact(model, dictionary)

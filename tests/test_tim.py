@@ -14,6 +14,7 @@ from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from beam_search_checks import check_beam_shared_keys_are_exact
 import fairseq_modattn  # noqa: F401  (registers the architectures)
 from fairseq_modattn.models.tim_transformer import (
     TIMTransformerModel,
@@ -563,3 +564,8 @@ def test_every_tim_flag_has_help_text():
 def test_bad_configuration_names_the_flag(flags, message):
     with pytest.raises(ValueError, match=message):
         build(*flags)
+
+
+def test_beam_search_shares_encoder_keys_among_beams_exactly():
+    model, vocab = build("--tim-decoder-layers", "auto", "--decoder-layers", "4")
+    check_beam_shared_keys_are_exact(model, vocab)

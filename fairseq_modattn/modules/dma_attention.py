@@ -69,7 +69,6 @@ from torch import Tensor
 from .attention_base import MultiheadAttentionBase
 from .gmm import DiagonalGMM, at_least_fp32
 from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
-from .noise import standard_normal
 from .mi_bounds import (
     DIV_FORMS,
     QQ_FORMS,
@@ -209,7 +208,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         noise = None
         state: Dict[str, Tensor] = {}
         if self.samples_attention:
-            noise = standard_normal(x.shape, x.dtype, x.device)
+            noise = torch.randn_like(x)
             state["input"] = torch.add(x, noise, alpha=math.sqrt(self.noise_var))
         if not self.collect_aux and self.gamma == 0.0:
             return state
@@ -244,7 +243,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         gamma = self.gamma
         query_noise = None
         if self.samples_attention:
-            query_noise = standard_normal(q.shape, q.dtype, q.device)
+            query_noise = torch.randn(q.shape, dtype=q.dtype, device=q.device)
         if self.collect_aux:
             u = q if self.query_gmm_scale == 1.0 else q * self.query_gmm_scale
             self.aux_losses = self.regularisers(u, q_state, k_state, key_padding_mask, query_noise)

@@ -37,8 +37,6 @@ import torch.nn as nn
 from fairseq.modules import GradMultiply
 from torch import Tensor
 
-from .noise import standard_normal
-
 
 def at_least_fp32(*tensors: Tensor) -> torch.dtype:
     """The dtype "fp32" computations run in: fp32 for half/bf16/fp32 inputs, fp64 for fp64."""
@@ -285,7 +283,7 @@ class DiagonalGMM(nn.Module):
                     noise = torch.empty_like(x, dtype=dtype).copy_(noise)
                 noise = group_major_points(noise, self.num_groups)[0]
             elif noise_var > 0.0:
-                noise = standard_normal(points.shape, dtype, points.device)
+                noise = torch.randn(points.shape, dtype=dtype, device=points.device)
             if noise is not None and not need_kl:  # the distance at the mean is not needed
                 points, noise = torch.add(points, noise, alpha=math.sqrt(noise_var)), None
             dist, mean_dist = mahalanobis_distances(points, noise, math.sqrt(noise_var), means, inv_var)

@@ -50,6 +50,19 @@ def at_least_fp32(*tensors: Tensor) -> torch.dtype:
 GMM_INITS = ("xavier", "spread")
 
 
+def log_softmax_over_clusters(log_joint: Tensor) -> Tensor:
+    """log_softmax over the last (cluster) axis, computed with that axis moved off the end.
+
+    The same values; on the CPU (torch 2.13) ``log_softmax`` over a short last axis (n_c = 4-12)
+    runs one scalar reduction per row and is ~45x slower than over a leading axis (measured on
+    (4, 4096, 8): 2.3 ms against 0.05 ms, forward + backward 4.5 against 0.6 ms with the copy).
+    The result is a transposed view, which every consumer here reads as it is.
+    """
+    if log_joint.device.type != "cpu":
+        return torch.log_softmax(log_joint, dim=-1)
+    return torch.log_softmax(log_joint.transpose(-1, -2).contiguous(), dim=-2).transpose(-1, -2)
+
+
 class GMMStatistics(NamedTuple):
     """Per-point results of one GMM evaluation, all fp32.
 
@@ -106,9 +119,9 @@ class _MahalanobisDistances(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, noise, noise_scale, means, inv_var):
-        # returns D(x + s * eps) and, when noise is given, also D(x), cluster-major (G, C, M)
+        # returns D(x + s * eps) and, when noise is given, also D(x)
         scaled_means = means * inv_var  # (G, C, d)
-        const = (means * scaled_means).sum(-1, keepdim=True)  # (G, C, 1)
+        const = (means * scaled_means).sum(-1).unsqueeze(-2)  # (G, 1, C)
         ctx.noise_scale = noise_scale
         ctx.save_for_backward(x, noise, means, inv_var)
         if noise is None:
@@ -129,7 +142,7 @@ class _MahalanobisDistances(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, *grads):
         x, noise, means, inv_var = ctx.saved_tensors
-        grad_point = grads[0]  # (G, C, M), like every gradient below
+        grad_point = grads[0]
         grad_mean = grads[1] if len(grads) > 1 else None
         terms = [(grad_point, x if noise is None else torch.add(x, noise, alpha=ctx.noise_scale))]
         if grad_mean is not None:
@@ -139,21 +152,21 @@ class _MahalanobisDistances(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # sum over terms of 2 g (z - mu) / sigma^2; the two points differ only by s * eps,
             # so this reads x once and eps once.
-            total = (grad_point if grad_mean is None else grad_point + grad_mean).transpose(1, 2)
+            total = grad_point if grad_mean is None else grad_point + grad_mean
             grad_x = torch.bmm(total, 2.0 * inv_var).mul_(x)
             grad_x.baddbmm_(total, scaled_means, alpha=-2.0)
             if noise is not None:
-                grad_x.add_(torch.bmm(grad_point.transpose(1, 2), (2.0 * ctx.noise_scale) * inv_var).mul_(noise))
+                grad_x.add_(torch.bmm(grad_point, (2.0 * ctx.noise_scale) * inv_var).mul_(noise))
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            weight_sum = sum(g.sum(-1, keepdim=True) for g, _ in terms)  # (G, C, 1)
-            first = sum(torch.bmm(g, z) for g, z in terms)  # sum_i g_ci z_i
-            centred = first - means * weight_sum  # sum_i g_ci (z_i - mu_c)
+            weight_sum = sum(g.sum(1) for g, _ in terms).unsqueeze(-1)  # (G, C, 1)
+            first = sum(torch.bmm(g.transpose(1, 2), z) for g, z in terms)  # sum_i g_ic z_i
+            centred = first - means * weight_sum  # sum_i g_ic (z_i - mu_c)
             if ctx.needs_input_grad[3]:
                 grad_means = -2.0 * inv_var * centred
             if ctx.needs_input_grad[4]:
                 square = torch.empty_like(x)
-                # sum_i g_ci z_i^2
-                second = sum(torch.bmm(g, torch.mul(z, z, out=square)) for g, z in terms)
+                # sum_i g_ic z_i^2
+                second = sum(torch.bmm(g.transpose(1, 2), torch.mul(z, z, out=square)) for g, z in terms)
                 grad_inv_var = second - 2.0 * means * first + means * means * weight_sum
         return grad_x, None, None, grad_means, grad_inv_var
 
@@ -161,17 +174,11 @@ class _MahalanobisDistances(torch.autograd.Function):
 def _expanded_distance(
     z: Tensor, inv_var: Tensor, scaled_means: Tensor, const: Tensor, square: Optional[Tensor] = None
 ) -> Tensor:
-    """sum_d (z_d - mu_cd)^2 / sigma_cd^2 = (1/sigma^2) @ (z*z) - 2 (mu/sigma^2) @ z + const for
-    points z (G, M, d), cluster-major (G, C, M); ``square``, optional, receives z*z.
-
-    Cluster-major because the products then have the M points as their long output axis: on
-    the CPU (torch 2.13, one thread) (C, d) @ (d, M) ran 2.4-6x faster than (M, d) @ (d, C)
-    (460 us against 2.4 ms for M = 16384, d = 128, C = 4), and the log-softmax over the
-    clusters then runs along a leading axis, which the CPU kernel vectorises over the points.
-    """
+    """sum_d (z_d - mu_cd)^2 / sigma_cd^2 = (z*z) @ (1/sigma^2) - 2 z @ (mu/sigma^2) + const;
+    ``square``, optional, receives z*z."""
     square = z * z if square is None else torch.mul(z, z, out=square)
-    dist = torch.bmm(inv_var, square.transpose(1, 2))
-    dist.baddbmm_(scaled_means, z.transpose(1, 2), alpha=-2.0).add_(const)
+    dist = torch.bmm(square, inv_var.transpose(1, 2))
+    dist.baddbmm_(z, scaled_means.transpose(1, 2), alpha=-2.0).add_(const)
     # The expansion can go a few ulps below zero where z sits on a centre.
     return dist.clamp_min_(0.0)
 
@@ -179,7 +186,7 @@ def _expanded_distance(
 def mahalanobis_distances(
     x: Tensor, noise: Optional[Tensor], noise_scale: float, means: Tensor, inv_var: Tensor
 ) -> Tuple[Tensor, Tensor]:
-    """(D(x + noise_scale * noise), D(x)) for points x (G, M, d), each cluster-major (G, C, M).
+    """(D(x + noise_scale * noise), D(x)) for points x (G, M, d), each (G, M, C).
 
     With ``noise`` None (no sampling) both are the same tensor D(x).
     """
@@ -270,9 +277,8 @@ class DiagonalGMM(nn.Module):
             means = self._effective_means().to(dtype)
             log_vars = self.log_vars.to(dtype)
             inv_var = torch.exp(-log_vars)
-            # cluster-major like the distances: (G, C, 1) against (G, C, M)
-            log_pi = torch.log_softmax(self.logits.to(dtype), dim=-1).unsqueeze(-1)
-            log_det = log_vars.sum(-1, keepdim=True)
+            log_pi = torch.log_softmax(self.logits.to(dtype), dim=-1).unsqueeze(-2)  # (G, 1, C)
+            log_det = log_vars.sum(-1).unsqueeze(-2)  # (G, 1, C)
             log_norm = log_pi - 0.5 * (log_det + self.dim * math.log(2.0 * math.pi))
 
             if not sample:
@@ -288,19 +294,18 @@ class DiagonalGMM(nn.Module):
                 points, noise = torch.add(points, noise, alpha=math.sqrt(noise_var)), None
             dist, mean_dist = mahalanobis_distances(points, noise, math.sqrt(noise_var), means, inv_var)
             log_joint = log_norm - 0.5 * dist
-            log_post = torch.log_softmax(log_joint, dim=-2)
+            log_post = log_softmax_over_clusters(log_joint)
 
             kl = None
             if need_kl:
-                trace = inv_var.sum(-1, keepdim=True)
+                trace = inv_var.sum(-1).unsqueeze(-2)  # (G, 1, C)
                 expected_nll = 0.5 * (log_det + noise_var * trace + mean_dist)
-                kl = (log_post.exp() * (expected_nll - log_pi + log_post)).sum(-2)
+                kl = (log_post.exp() * (expected_nll - log_pi + log_post)).sum(-1)
                 kl = restore(kl.unsqueeze(-1)).squeeze(-1) - 0.5 * self.dim * (1.0 + math.log(noise_var))
         # (B, H, N, C) in one block: the posteriors are small (C values per point), and every
         # consumer multiplies them by matrices, which needs them laid out batch by batch (torch's
         # bmm copies each matrix separately otherwise)
-        log_joint, log_post = (restore(t.transpose(1, 2)).contiguous() for t in (log_joint, log_post))
-        return GMMStatistics(log_joint, log_post, kl)
+        return GMMStatistics(restore(log_joint).contiguous(), restore(log_post).contiguous(), kl)
 
     def extra_repr(self) -> str:
         return (

@@ -363,22 +363,18 @@ class MultiheadAttentionBase(nn.Module):
         buffer = self._get_input_buffer(incremental_state)
         if not buffer:
             return incremental_state
+        rows = new_order
+        if self.encoder_decoder_attention and self.beam_size > 1:  # one cached copy per sentence
+            rows = new_order.view(-1, self.beam_size)[:, 0] // self.beam_size
         for name, cached in buffer.items():
             if cached is None:
                 continue
-            if self.encoder_decoder_attention and self.beam_size > 1:
-                # one cached copy per sentence: a reordering among the same sentences' beams
-                # leaves it as it is; finished sentences are dropped (as fairseq's attention does)
-                if cached.size(0) * self.beam_size != new_order.size(0):
-                    sentences = new_order.view(-1, self.beam_size)[:, 0] // self.beam_size
-                    buffer[name] = cached.index_select(0, sentences)
+            if self.encoder_decoder_attention and cached.size(0) * self.beam_size == new_order.size(0):
+                # The beams of a sentence share identical encoder keys, so a reordering among
+                # the same sentences is a no-op here (fairseq's MultiheadAttention skips it too);
+                # a shrinking batch (finished sentences) still selects.
                 continue
-            if self.encoder_decoder_attention and cached.size(0) == new_order.size(0):
-                # The beams of a sentence share identical encoder keys, so a reordering that
-                # keeps the batch size is a no-op here (fairseq's MultiheadAttention skips it
-                # too); a shrinking batch (finished sentences) still selects.
-                continue
-            buffer[name] = cached.index_select(0, new_order)
+            buffer[name] = cached.index_select(0, rows)
         return self._set_input_buffer(incremental_state, buffer)
 
     def set_beam_size(self, beam_size: int):

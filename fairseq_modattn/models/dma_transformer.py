@@ -71,6 +71,7 @@ from ..modules.dma_attention import (
 )
 from ..modules.gmm import GMM_INITS
 from ..modules.mi_bounds import DIV_FORMS, QQ_FORMS
+from .flag_types import check_finite, finite_float
 from .transformer_variant import (
     ATTENTION_TYPES,
     AttentionSwapDecoderLayer,
@@ -117,13 +118,10 @@ def validate_dma_args(args):
     if args.dma_clusters < 1:
         raise ValueError(f"--dma-clusters must be >= 1, got {args.dma_clusters}")
     for flag in ("kl_weight", "qq_weight", "xq_weight", "div_weight", "centroid_grad_mult", "anneal_rate"):
-        value = getattr(args, "dma_" + flag)
-        if value < 0:
-            raise ValueError(f"--dma-{flag.replace('_', '-')} must be >= 0, got {value}")
-    if not 0.0 <= args.dma_alpha <= 1.0:
+        check_finite(getattr(args, "dma_" + flag), f"--dma-{flag.replace('_', '-')}", minimum=0.0)
+    if not 0.0 <= args.dma_alpha <= 1.0:  # False for NaN as well
         raise ValueError(f"--dma-alpha must lie in [0, 1], got {args.dma_alpha}")
-    if args.dma_noise_var <= 0:
-        raise ValueError(f"--dma-noise-var must be > 0, got {args.dma_noise_var}")
+    check_finite(args.dma_noise_var, "--dma-noise-var", minimum=0.0, exclusive=True)
     for flag, choices in (
         ("loss_reduction", LOSS_REDUCTIONS),
         ("qq_form", QQ_FORMS),
@@ -238,22 +236,22 @@ class DMATransformerModel(TransformerVariantModel):
                            help="'xavier' (default; the authors': centres close together, soft "
                                 "posteriors at the start) or 'spread' (N(0, 1) centres, unit "
                                 "variances: peaked posteriors at the start)")
-        group.add_argument("--dma-alpha", type=float, metavar="A",
+        group.add_argument("--dma-alpha", type=finite_float, metavar="A",
                            help="final mask interpolation weight: gamma(t) = 1 - max(1 - A, exp(-r t)) "
                                 "(authors 0.9, paper 0.5)")
-        group.add_argument("--dma-anneal-rate", type=float, metavar="R",
+        group.add_argument("--dma-anneal-rate", type=finite_float, metavar="R",
                            help="annealing rate r of gamma per update (paper: 5e-4)")
-        group.add_argument("--dma-noise-var", type=float, metavar="S2",
+        group.add_argument("--dma-noise-var", type=finite_float, metavar="S2",
                            help="variance s^2 of q(z|x) = N(x, s^2 I): the training samples and "
                                 "the KLs (authors 0.01, paper 0.1)")
-        group.add_argument("--dma-kl-weight", type=float, metavar="W", help="c_kl, weight of the GMM KL terms")
-        group.add_argument("--dma-qq-weight", type=float, metavar="W",
+        group.add_argument("--dma-kl-weight", type=finite_float, metavar="W", help="c_kl, weight of the GMM KL terms")
+        group.add_argument("--dma-qq-weight", type=finite_float, metavar="W",
                            help="c_qq, weight of the head-dependence upper bound L_Dqq (minimised)")
-        group.add_argument("--dma-xq-weight", type=float, metavar="W",
+        group.add_argument("--dma-xq-weight", type=finite_float, metavar="W",
                            help="c_xq, weight of the InfoNCE bound L_Dxq (maximised)")
-        group.add_argument("--dma-div-weight", type=float, metavar="W",
+        group.add_argument("--dma-div-weight", type=finite_float, metavar="W",
                            help="c_dv, weight of the cluster diversity penalty L_dv")
-        group.add_argument("--dma-centroid-grad-mult", type=float, metavar="C",
+        group.add_argument("--dma-centroid-grad-mult", type=finite_float, metavar="C",
                            help="c_grad, gradient multiplier of the GMM means")
         group.add_argument("--dma-decoder-mask-at-inference", action="store_true",
                            help="keep the semantic mask in decoder self-attention at inference "

@@ -79,6 +79,7 @@ from fairseq.utils import safe_getattr
 from torch import Tensor, nn
 
 from ..modules.rim import RIMLayer
+from .flag_types import finite_float
 
 CELLS = ("lstm", "gru")
 
@@ -273,7 +274,7 @@ class RIMLSTMModel(LSTMModel):
                            help="drop the communication attention between RIMs (ablation)")
         group.add_argument("--rim-learned-initial-state", action="store_true",
                            help="learn each RIM's initial state instead of starting from zeros")
-        group.add_argument("--rim-attention-dropout", type=float, metavar="D",
+        group.add_argument("--rim-attention-dropout", type=finite_float, metavar="D",
                            help="dropout of the input and communication attention weights")
 
     @classmethod

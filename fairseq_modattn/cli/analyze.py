@@ -49,9 +49,11 @@ def redundancy_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated attention types ({', '.join(ATTENTION_TYPES)}) or 'all'")
     p.add_argument("--max-tokens", type=int, default=4000, help="tokens per batch")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: the whole split)")
-    p.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--output", type=Path, default=None,
+                   help="write the results as JSON to this file (a directory is refused)")
     p.add_argument("--plot", type=Path, default=None,
-                   help="also draw the head-redundancy matrix of the first attention type to this PNG")
+                   help="also draw the head-redundancy matrix of the first attention type to this PNG file "
+                        "(a directory is refused)")
     return p
 
 
@@ -68,10 +70,20 @@ def redundancy(argv: List[str]) -> int:
     return run_reporting_errors("redundancy", lambda: _redundancy(args))
 
 
+def refuse_directory_outputs(**flags):
+    """AnalysisError '--FLAG X is a directory; give a file path' for an output file flag that
+    names an existing folder, checked before the model is loaded (a folder is never replaced)."""
+    from ..data.pipeline import check_output_file
+
+    for flag, path in flags.items():
+        check_output_file(path, "--" + flag.replace("_", "-"), error=AnalysisError)
+
+
 def _redundancy(args) -> int:
     from ..analysis.extract import measure_redundancy
     from ..analysis.loading import load_model, model_name, split_size
 
+    refuse_directory_outputs(output=args.output, plot=args.plot)
     types = parse_attention_types(args.attention)
     model, task, cfg = load_model(args.path, args.data, cpu=args.cpu)
     sentences = split_size(task, args.gen_subset)
@@ -118,7 +130,7 @@ def plot_parser() -> argparse.ArgumentParser:
         k = kinds.add_parser(kind, help=help_text, description=help_text,
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_model_args(k)
-        k.add_argument("--output", type=Path, required=True, help="PNG file to write")
+        k.add_argument("--output", type=Path, required=True, help="PNG file to write (a directory is refused)")
         k.add_argument("--dpi", type=int, default=100, help="resolution of the PNG")
         if kind in ("sentence", "competition", "rim"):
             k.add_argument("--sentence", type=int, default=0, help="index of the sentence in the split")
@@ -153,6 +165,7 @@ def _plot(args) -> int:
     from ..analysis import extract, plots
     from ..analysis.loading import load_model, model_name
 
+    refuse_directory_outputs(output=args.output)
     model, task, cfg = load_model(args.path, args.data, cpu=args.cpu)
     log(f"{args.path}: {model_name(model)} ({getattr(cfg.model, 'arch', '?')})")
     common = {"dpi": args.dpi}

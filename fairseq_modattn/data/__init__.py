@@ -37,13 +37,17 @@ def add_common_args(parser: argparse.ArgumentParser, default_dest: str):
     g.add_argument("--raw-dir", type=Path, default=Path("raw"),
                    help="folder holding the raw corpus files (missing ones are downloaded into it)")
     g.add_argument("--dest", type=Path, default=Path(default_dest),
-                   help="output data-bin folder for fairseq-train")
+                   help="output data-bin folder for fairseq-train: a new or empty folder, or one an earlier "
+                        "prepare of the same corpus wrote (it lists its files in prepare-manifest.json; a "
+                        "rerun replaces only those, other files stay); anything else is refused")
     g.add_argument("--work-dir", type=Path, default=None,
-                   help="folder for the tokenised/BPE'd text and step markers (default: DEST.work)")
+                   help="folder for the tokenised/BPE'd text and step markers (default: DEST.work); "
+                        "a rerun resumes from it and removes temporaries of killed runs")
     g.add_argument("--no-download", action="store_true",
                    help="never download: list the missing raw files and where to place them")
     g.add_argument("--workers", type=int, default=1, help="processes for tokenisation and fairseq-preprocess")
-    g.add_argument("--summary-json", type=Path, default=None, help="also write the summary as JSON here")
+    g.add_argument("--summary-json", type=Path, default=None,
+                   help="also write the summary as JSON to this file (a directory is refused)")
     return g
 
 
@@ -67,9 +71,16 @@ def parse_args(name: str, argv):
 
 
 def prepare(name: str, argv):
-    """Parse ARGV for recipe NAME, run it, print (and optionally save) its summary."""
+    """Parse ARGV for recipe NAME, check its output paths (``pipeline.check_prepare_paths``:
+    before any work, one-line DataError), run it, print (and optionally save) its summary."""
+    from .pipeline import check_prepare_paths
+
     args = parse_args(name, argv)
-    summary = recipe_module(name).prepare(args)
+    mod = recipe_module(name)
+    check_prepare_paths(name, args.dest, args.work_dir, args.summary_json,
+                        src=getattr(args, "src", None) or getattr(mod, "SRC", None),
+                        tgt=getattr(args, "tgt", None) or getattr(mod, "TGT", None))
+    summary = mod.prepare(args)
     summary.print()
     if args.summary_json:
         summary.save(args.summary_json)

@@ -10,25 +10,34 @@ Errors
 
 Reading
     ``iter_lines(path)`` / ``read_lines(path)``: strict UTF-8 lines without their newline,
-    ``.gz`` transparently; a missing file, an empty file, a broken gzip stream or non-UTF-8
-    bytes raise ``DataError`` naming the file (and line). Only ``\\n`` ends a line (U+2028 and
-    friends stay inside the sentence, unlike ``str.splitlines``).
+    ``.gz`` transparently; a UTF-8 byte-order mark (U+FEFF) at the start of the file is
+    dropped (it would otherwise become part of the first token); a missing file, a folder, an
+    empty file, a broken gzip stream or non-UTF-8 bytes raise ``DataError`` naming the file
+    (and line). Only ``\\n`` ends a line (U+2028 and friends stay inside the sentence, unlike
+    ``str.splitlines``).
     ``read_parallel(src_path, tgt_path)``: two aligned files; different line counts raise
     ``DataError`` naming both files and both counts.
     ``read_segments(path)`` / ``read_parallel_segments(src, tgt)``: the text of the
     ``<seg id="N"> ... </seg>`` lines of IWSLT XML and WMT SGM files (one format).
     ``strip_metadata(lines)``: drop the ``<url>``, ``<talkid>`` ... lines of IWSLT ``train.tags``.
 
-Writing (nothing half-written)
-    ``atomic_path(path)`` (context manager yielding a temporary sibling path, renamed onto
-    ``path`` only when the block succeeds), ``write_lines(path, lines)``, ``atomic_dir(path)``.
+Writing (nothing half-written, nothing deleted that this package did not write)
+    ``atomic_path(path)`` (context manager yielding a temporary sibling path ``.NAME.tmp-PID``,
+    renamed onto ``path`` only when the block succeeds), ``write_lines(path, lines)``,
+    ``atomic_dir(path)`` (the same, for a new folder). An existing *directory* at PATH is never
+    replaced (``IsADirectoryError``, before the block runs); a PATH that is itself such a
+    temporary is yielded as is, so temporaries never nest (``..NAME.tmp-PID.tmp-PID``).
+    ``check_output_file(path, flag)``: the up-front check commands make of an output file
+    flag (one line: ``--output X is a directory; give a file path``).
 
 Resumable steps
     ``Steps(work_dir)``; ``steps.run(name, outputs, fn, inputs=(), params=None)`` calls
     ``fn(*tmp_outputs)`` with temporary sibling paths of ``outputs``, renames them into place
     and only then writes the step's marker (atomically). A step whose marker matches its
     params, the checksums of its inputs and the sizes of its outputs is skipped; an
-    interrupted step leaves no marker, so a rerun redoes it (and overwrites what is there).
+    interrupted step leaves no marker, so a rerun redoes it (and overwrites its own outputs,
+    never other files). A rerun first removes the temporaries a killed run left beside the
+    step's outputs (``.NAME.tmp-*``, and the nested ``..NAME.tmp-*`` of older versions).
 
 Text processing
     ``normalize_punctuation``, ``tokenize`` (Moses via sacremoses, optional aggressive dash
@@ -43,24 +52,34 @@ Subwords
 Binarising
     ``fairseq_preprocess(dest, src, tgt, trainpref, validpref, testpref, joined=True, ...)``
     runs fairseq's own ``fairseq-preprocess`` into a temporary folder and renames it to
-    ``dest`` (data-bin/NAME).
+    ``dest``, a new folder (an existing one is refused). The child process dies with its
+    parent (Linux: ``PR_SET_PDEATHSIG``), also when the parent is killed with SIGKILL, and is
+    stopped when the parent raises (KeyboardInterrupt included).
 
 Recipe building blocks (resumable steps over folders of ``{split}.{lang}`` text files)
     ``add_subword_args`` / ``check_subword_args`` (--subword, --vocab, --bpe-size ...),
     ``subword_steps``, ``binarize_step``, ``text_summary``, ``subword_binarize_summary`` (all
     three plus the summary), ``save_json`` / ``load_json``.
+    ``binarize_step`` writes the data-bin file by file and records the files it wrote in
+    ``DEST/prepare-manifest.json`` (``MANIFEST``); other files in DEST (a user's notes) are
+    left alone on every rerun. ``check_prepare_paths`` (run by ``data.prepare`` before any
+    work) refuses, in one line, a --dest that is not empty and holds no such manifest (another
+    tool's folder, a parent of data-bins), a --dest holding another corpus's data-bin, an
+    unwritable --dest / --work-dir, and a --summary-json that is a directory.
 
 Raw files
     ``RawFile(name, url, size=None, sha256=None)``, ``fetch_raw_files(files, raw_dir,
-    download=True)``: local lookup first (size / sha256 checked), download with a progress bar
-    only for missing files; when a file cannot be had, one ``DataError`` lists every missing
-    file with its URL and the exact path to place it at.
+    download=True)``: local lookup first (size / sha256 checked; a folder where a file should
+    be is an error: "is a directory, expected a file"), download with a progress bar only for
+    missing files; when a file cannot be had, one ``DataError`` lists every missing file with
+    its URL and the exact path to place it at.
 
 Summary
     ``Summary`` collects sentences per split, vocabulary sizes, dropped pairs; ``.print()``.
 """
 
 import contextlib
+import ctypes
 import glob
 import gzip
 import hashlib
@@ -68,6 +87,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,6 +104,7 @@ __all__ = [
     "sha256sum", "Steps", "normalize_punctuation", "tokenize", "lowercase", "clean_corpus",
     "CleanStats", "learn_bpe", "apply_bpe", "train_sentencepiece", "apply_sentencepiece",
     "fairseq_preprocess", "RawFile", "fetch_raw_files", "Summary", "count_lines",
+    "check_output_file", "check_prepare_paths", "MANIFEST",
 ]
 
 
@@ -110,12 +131,17 @@ def _open_bytes(path: Path):
 def iter_lines(path: PathLike, allow_empty: bool = False) -> Iterator[str]:
     """Yield the lines of PATH (UTF-8, ``.gz`` allowed) without their line ending.
 
-    Raises DataError for a missing file, an empty file (unless ALLOW_EMPTY), a corrupt gzip
-    stream, or bytes that are not UTF-8 (naming the line).
+    A UTF-8 byte-order mark (U+FEFF) at the very start of the file is dropped (editors on
+    Windows write one; kept, it would glue onto the first token and become a dictionary entry);
+    U+FEFF anywhere else is text and stays. Raises DataError for a missing file, a folder, an
+    empty file (unless ALLOW_EMPTY), a corrupt gzip stream, or bytes that are not UTF-8 (naming
+    the line).
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError("file not found" if not path.exists() else "not a regular file", path)
+        if not path.exists():
+            raise DataError("file not found", path)
+        raise DataError("is a directory, expected a file" if path.is_dir() else "not a regular file", path)
     lineno = 0
     try:
         with _open_bytes(path) as f:
@@ -126,6 +152,8 @@ def iter_lines(path: PathLike, allow_empty: bool = False) -> Iterator[str]:
                     raise DataError(
                         f"not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at column {e.start + 1}); "
                         "convert the file to UTF-8", path, lineno) from None
+                if lineno == 1 and text.startswith("\ufeff"):
+                    text = text[1:]
                 if text.endswith("\n"):
                     text = text[:-1]
                     if text.endswith("\r"):
@@ -216,11 +244,40 @@ def strip_metadata(lines: Iterable[str]) -> List[str]:
 
 # --------------------------------------------------------------------------------------- writing
 
+_TEMPORARY = re.compile(r"\..+\.tmp-\d+")
+
+
+def is_temporary(path: PathLike) -> bool:
+    """Whether PATH is named like a temporary of ``atomic_path`` (``.NAME.tmp-PID``)."""
+    return _TEMPORARY.fullmatch(Path(path).name) is not None
+
+
+def check_output_file(path: Optional[PathLike], flag: str = "--output", error=None):
+    """Raise ERROR (default DataError) if the output file PATH of FLAG is an existing
+    directory: commands call this before their work, so a typo never costs hours and never
+    deletes a folder (``atomic_path`` refuses too, but only at the end)."""
+    if path is not None and Path(path).is_dir():
+        raise (error or DataError)(f"{flag} {path} is a directory; give a file path")
+
+
 @contextlib.contextmanager
 def atomic_path(path: PathLike):
-    """Yield a temporary path beside PATH; rename it onto PATH when the block succeeds,
-    remove it when the block raises. Works for files and folders."""
+    """Yield a temporary path ``.NAME.tmp-PID`` beside PATH; rename it onto PATH when the block
+    succeeds, remove it when the block raises. Works for files, and for folders that do not
+    exist yet.
+
+    An existing directory at PATH is never replaced (a rename would have to delete it, and
+    with it whatever it holds): ``IsADirectoryError`` is raised before the block runs. A PATH
+    that is itself a temporary of this function (a step's output handed to a helper that
+    writes atomically too) is yielded as is: the outer rename already makes it atomic, and
+    temporaries of temporaries (``..NAME.tmp-PID.tmp-PID``) would escape the stale-temporary
+    cleanup of ``Steps.run`` after a kill."""
     path = Path(path)
+    if is_temporary(path):
+        yield path
+        return
+    if path.is_dir() and not path.is_symlink():
+        raise IsADirectoryError(f"{path} is a directory; give a file path (an existing folder is never replaced)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     _remove(tmp)
@@ -228,20 +285,14 @@ def atomic_path(path: PathLike):
         yield tmp
         if not tmp.exists():
             raise RuntimeError(f"{tmp} was not written")
-        if path.is_dir() and not path.is_symlink():
-            # a folder cannot be replaced in one rename: move the old one aside first
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            _remove(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            _remove(old)
-        else:
-            os.replace(tmp, path)
+        if path.is_dir() and not path.is_symlink():  # appeared while the block ran
+            raise IsADirectoryError(f"{path} is a directory; give a file path (an existing folder is never replaced)")
+        os.replace(tmp, path)
     finally:
         _remove(tmp)
 
 
-atomic_dir = atomic_path
+atomic_dir = atomic_path  # a new folder: same rules (an existing folder is refused)
 
 
 def _remove(path: Path):
@@ -282,6 +333,18 @@ def _size(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return path.stat().st_size
+
+
+def remove_stale_temporaries(path: PathLike):
+    """Remove the temporaries of PATH that killed runs left (``.NAME.tmp-*``, ``.NAME.old-*``
+    and the nested ``..NAME.tmp-*`` of versions before temporaries stopped nesting)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    name = glob.escape(path.name)
+    for pattern in (f".{name}.tmp-*", f"..{name}.tmp-*", f".{name}.old-*"):
+        for stale in path.parent.glob(pattern):
+            _remove(stale)
 
 
 # ------------------------------------------------------------------------------ resumable steps
@@ -346,8 +409,7 @@ class Steps:
         if marker.exists():
             marker.unlink()
         for p in outputs:  # temporaries of a run that was killed outright (SIGKILL, power loss)
-            for stale in p.parent.glob(f".{glob.escape(p.name)}.tmp-*"):
-                _remove(stale)
+            remove_stale_temporaries(p)
         with contextlib.ExitStack() as stack:
             tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
             fn(*tmps)
@@ -515,7 +577,8 @@ def train_sentencepiece(texts: Sequence[Sequence[str]], model_prefix: PathLike, 
     (single-threaded and unshuffled, so reruns give identical models)."""
     spm = _require_sentencepiece()
     prefix = Path(model_prefix)
-    with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=".spm-") as tmpdir:
+    # named .PREFIX.tmp-..., so a rerun's stale-temporary cleanup removes it after a kill
+    with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=f".{prefix.name.lstrip('.')}.tmp-") as tmpdir:
         corpus = Path(tmpdir) / "corpus.txt"
         _write_lines_now(corpus, (s for text in texts for s in text))
         spm.SentencePieceTrainer.train(
@@ -536,16 +599,65 @@ def apply_sentencepiece(lines: Sequence[str], model_path: PathLike) -> List[str]
 
 # ------------------------------------------------------------------------------------ binarising
 
-def fairseq_preprocess(dest: PathLike, src: str, tgt: str, trainpref: PathLike,
-                       validpref: Optional[PathLike] = None, testpref: Optional[PathLike] = None,
-                       joined: bool = True, workers: int = 1, nwordssrc: int = -1, nwordstgt: int = -1,
-                       extra_files: Sequence[PathLike] = (), extra_args: Sequence[str] = (),
-                       log_dest: Optional[PathLike] = None):
-    """Run fairseq's ``fairseq-preprocess`` (``--joined-dictionary`` if JOINED) into a temporary
-    folder, copy EXTRA_FILES (BPE codes, sentencepiece model) into it, and rename it onto DEST.
-    Its ``preprocess.log`` names LOG_DEST (default DEST), not the temporary folder, so reruns
-    write identical bytes."""
-    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang", tgt,
+# Runs fairseq-preprocess as the child of a small wrapper: it leads its own process group (so
+# its --workers pool processes can be stopped with it) and, on SIGTERM, kills that whole group.
+_CHILD_WRAPPER = (
+    "import os, runpy, signal, sys\n"
+    "signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))\n"
+    "sys.argv[0] = 'fairseq-preprocess'\n"
+    "runpy.run_module('fairseq_cli.preprocess', run_name='__main__', alter_sys=True)\n"
+)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` making the child get SIGTERM when this process dies.
+
+    Why: a ``subprocess`` child outlives its parent. When ``prepare`` is killed with SIGKILL
+    (no ``finally`` runs), fairseq-preprocess would go on for minutes or hours and finish a
+    data-bin into a temporary folder nobody renames. Linux's ``prctl(PR_SET_PDEATHSIG)`` makes
+    the kernel signal the child when its parent dies, whatever kills it; the wrapper above then
+    kills the child's process group (its worker pool too). libc is loaded in the parent (no
+    dlopen between fork and exec). Elsewhere this is a no-op; the parent still stops the child
+    on any exception, KeyboardInterrupt included (``_run_child``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _run_child(cmd: Sequence[str]) -> Tuple[int, str]:
+    """Run CMD (a Python child) to completion: (exit status, stdout + stderr). The child leads
+    its own process group, dies with this process (``_die_with_parent``), and the group is
+    killed when this process raises while waiting (Ctrl-C included)."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=_die_with_parent())
+    try:
+        out, _ = proc.communicate()
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        raise
+    return proc.returncode, out or ""
+
+
+def _preprocess_command(src, tgt, trainpref, validpref, testpref, joined, workers, nwordssrc, nwordstgt,
+                        extra_args) -> List[str]:
+    cmd = [sys.executable, "-c", _CHILD_WRAPPER, "--source-lang", src, "--target-lang", tgt,
            "--trainpref", str(trainpref), "--workers", str(workers)]
     if validpref:
         cmd += ["--validpref", str(validpref)]
@@ -557,18 +669,41 @@ def fairseq_preprocess(dest: PathLike, src: str, tgt: str, trainpref: PathLike,
         cmd += ["--nwordssrc", str(nwordssrc)]
     if nwordstgt > 0:
         cmd += ["--nwordstgt", str(nwordstgt)]
-    cmd += list(extra_args)
+    return cmd + list(extra_args)
+
+
+def _preprocess_into(outdir: Path, cmd: Sequence[str], dest_for_messages: PathLike, log_dest: PathLike):
+    """Run fairseq-preprocess CMD into the (new) folder OUTDIR; its preprocess.log names LOG_DEST."""
+    code, output = _run_child(list(cmd) + ["--destdir", str(outdir)])
+    if code != 0:
+        raise DataError(f"fairseq-preprocess failed (exit {code}):\n{output[-3000:]}", dest_for_messages)
+    log = Path(outdir) / "preprocess.log"
+    if log.is_file():
+        text = log.read_text(encoding="utf-8").replace(str(outdir), str(log_dest))
+        log.write_text(text, encoding="utf-8")
+
+
+def fairseq_preprocess(dest: PathLike, src: str, tgt: str, trainpref: PathLike,
+                       validpref: Optional[PathLike] = None, testpref: Optional[PathLike] = None,
+                       joined: bool = True, workers: int = 1, nwordssrc: int = -1, nwordstgt: int = -1,
+                       extra_files: Sequence[PathLike] = (), extra_args: Sequence[str] = (),
+                       log_dest: Optional[PathLike] = None):
+    """Run fairseq's ``fairseq-preprocess`` (``--joined-dictionary`` if JOINED) into a temporary
+    folder, copy EXTRA_FILES (BPE codes, sentencepiece model) into it, and rename it onto DEST,
+    which must not exist yet (an existing folder is refused with DataError, never replaced; the
+    recipes' ``binarize_step`` updates a data-bin file by file instead).
+    Its ``preprocess.log`` names LOG_DEST (default DEST), not the temporary folder, so reruns
+    write identical bytes. The child process dies with this one (see ``_die_with_parent``)."""
+    dest = Path(dest)
+    if dest.is_dir() and not dest.is_symlink() and not is_temporary(dest):
+        raise DataError("already exists; fairseq_preprocess writes a new folder (remove it or give another)", dest)
+    cmd = _preprocess_command(src, tgt, trainpref, validpref, testpref, joined, workers, nwordssrc, nwordstgt,
+                              extra_args)
     with atomic_path(dest) as tmp:
-        proc = subprocess.run(cmd + ["--destdir", str(tmp)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise DataError(f"fairseq-preprocess failed (exit {proc.returncode}):\n"
-                            f"{(proc.stdout + proc.stderr)[-3000:]}", dest)
+        _remove(tmp)
+        _preprocess_into(tmp, cmd, dest, log_dest or dest)
         for f in extra_files:
             shutil.copyfile(f, tmp / Path(f).name)
-        log = tmp / "preprocess.log"
-        if log.is_file():
-            text = log.read_text(encoding="utf-8").replace(str(tmp), str(log_dest or dest))
-            log.write_text(text, encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------- raw files
@@ -619,6 +754,11 @@ def fetch_raw_files(files: Sequence[RawFile], raw_dir: PathLike, download: bool 
     raw_dir = Path(raw_dir)
     found, missing = {}, []
     offline = False
+    for f in files:  # a folder (or fifo...) where a file belongs: say so, before any work
+        path = raw_dir / f.name
+        if path.exists() and not path.is_file():
+            raise DataError("is a directory, expected a file" if path.is_dir() else
+                            "not a regular file, expected a file", path)
     for f in files:
         path = raw_dir / f.name
         if path.is_file():
@@ -776,21 +916,127 @@ def subword_steps(steps: Steps, text_dir: PathLike, out_dir: PathLike, splits: S
     return models
 
 
+MANIFEST = "prepare-manifest.json"
+_WRITTEN_BY = "fairseq-modattn prepare"
+
+
+def data_bin_files(src: str, tgt: str, splits: Sequence[str], extra_files: Sequence[PathLike] = ()) -> List[str]:
+    """Names of the files fairseq-preprocess (plus EXTRA_FILES) writes into a data-bin."""
+    names = [f"dict.{src}.txt", f"dict.{tgt}.txt", "preprocess.log"]
+    names += [f"{s}.{src}-{tgt}.{lang}.{ext}" for s in splits for lang in (src, tgt) for ext in ("bin", "idx")]
+    return names + [Path(f).name for f in extra_files]
+
+
+def read_manifest(dest: PathLike) -> Optional[dict]:
+    """DEST's ``prepare-manifest.json`` (what prepare wrote there), or None."""
+    try:
+        manifest = load_json(Path(dest) / MANIFEST)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("written_by") == _WRITTEN_BY else None
+
+
 def binarize_step(steps: Steps, text_dir: PathLike, dest: PathLike, src: str, tgt: str, *,
                   joined: bool, workers: int = 1, extra_files: Sequence[PathLike] = (),
-                  splits: Sequence[str] = ("train", "valid", "test")):
+                  splits: Sequence[str] = ("train", "valid", "test"), corpus: Optional[str] = None):
     """Resumable "binarize" step: fairseq-preprocess of TEXT_DIR/{train,valid,test}.{src,tgt}
-    into DEST (joined or separate dictionaries); EXTRA_FILES are copied into DEST."""
-    text_dir = Path(text_dir)
+    into DEST (joined or separate dictionaries); EXTRA_FILES are copied into DEST.
+
+    fairseq-preprocess writes into a temporary folder in the work dir; its files are then moved
+    into DEST one by one (each atomically), together with ``prepare-manifest.json`` naming
+    CORPUS, the languages and every file written. Nothing else in DEST is touched: a user's
+    files survive reruns; files a previous run wrote that this one does not (``code.de`` after
+    switching to a joint BPE) are removed, as the old manifest lists them."""
+    text_dir, dest = Path(text_dir), Path(dest)
     prefs = {s: text_dir / s for s in splits}
     inputs = [text_dir / f"{s}.{lang}" for s in splits for lang in (src, tgt)] + [Path(f) for f in extra_files]
+    names = data_bin_files(src, tgt, splits, extra_files)
+    outputs = [dest / n for n in names] + [dest / MANIFEST]  # the manifest is renamed into place first
+    manifest = {"written_by": _WRITTEN_BY, "corpus": corpus, "src": src, "tgt": tgt,
+                "files": sorted(names + [MANIFEST])}
+    stage_prefix = ".binarize.tmp-"
+    if steps.work_dir.is_dir():
+        for stale in steps.work_dir.glob(stage_prefix + "*"):  # left by a killed run
+            _remove(stale)
 
-    def binarize(tmp):
-        # fairseq_preprocess renames its own temporary folder onto TMP
-        fairseq_preprocess(tmp, src, tgt, prefs["train"], prefs.get("valid"), prefs.get("test"),
-                           joined=joined, workers=workers, extra_files=extra_files, log_dest=dest)
+    def binarize(*tmps):
+        stage = steps.work_dir / f"{stage_prefix}{os.getpid()}"
+        _remove(stage)
+        stage.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            cmd = _preprocess_command(src, tgt, prefs["train"], prefs.get("valid"), prefs.get("test"), joined,
+                                      workers, -1, -1, ())
+            _preprocess_into(stage, cmd, dest, dest)
+            for f in extra_files:
+                shutil.copyfile(f, stage / Path(f).name)
+            missing = [n for n in names if not (stage / n).is_file()]
+            if missing:
+                raise DataError(f"fairseq-preprocess did not write {', '.join(missing)}", dest)
+            for name, tmp in zip(names, tmps):
+                shutil.move(str(stage / name), str(tmp))  # the work dir may be on another filesystem
+            Path(tmps[-1]).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            old = read_manifest(dest) or {}
+            for name in old.get("files", []):
+                gone = dest / str(name)
+                if name not in manifest["files"] and gone.parent == dest and gone.is_file():
+                    gone.unlink()
+        finally:
+            _remove(stage)
 
-    steps.run("binarize", [Path(dest)], binarize, inputs=inputs, params={"joined": joined, "src": src, "tgt": tgt})
+    steps.run("binarize", outputs, binarize, inputs=inputs,
+              params={"joined": joined, "src": src, "tgt": tgt, "files": manifest["files"], "corpus": corpus})
+
+
+def _check_writable(path: Path, flag: str):
+    """DataError (one line) unless PATH is, or can be created as, a folder this process can write in."""
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{flag} {path} is a file, expected a folder")
+    ancestor = path
+    while not ancestor.exists() and ancestor.parent != ancestor:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise DataError(f"{flag} {path}: {ancestor} is a file, expected a folder")
+    try:  # os.access says yes to root on a read-only mount: try it
+        os.rmdir(tempfile.mkdtemp(prefix=".fairseq-modattn-probe-", dir=ancestor))
+    except OSError as e:
+        raise DataError(f"{flag} {path} is not writable ({ancestor}: {e.strerror or e}); "
+                        "give a folder you can write to") from None
+
+
+def check_prepare_paths(corpus: str, dest: PathLike, work_dir: PathLike, summary_json: Optional[PathLike] = None,
+                        src: Optional[str] = None, tgt: Optional[str] = None):
+    """The checks ``prepare`` makes before any work, each failing with a one-line DataError:
+    SUMMARY_JSON must not be a directory; DEST and WORK_DIR must be (creatable) writable
+    folders; a non-empty DEST must be a data-bin this command wrote (``prepare-manifest.json``,
+    or for data-bins of older versions the "binarize" marker in WORK_DIR) for the same CORPUS
+    (and SRC-TGT, when given). Temporaries left by a killed run do not count as content."""
+    dest, work_dir = Path(dest), Path(work_dir)
+    check_output_file(summary_json, "--summary-json")
+    if summary_json is not None:
+        _check_writable(Path(summary_json).parent, "--summary-json")
+    _check_writable(dest, "--dest")
+    _check_writable(work_dir, "--work-dir")
+    if not dest.is_dir():
+        return
+    content = [p for p in dest.iterdir() if not is_temporary(p)]
+    if not content:
+        return
+    manifest = read_manifest(dest)
+    if manifest is None:
+        marker = Steps(work_dir).marker("binarize")
+        try:
+            recorded = load_json(marker).get("outputs", {})
+        except (OSError, ValueError, AttributeError):
+            recorded = {}
+        if str(dest) in recorded:  # a data-bin of a version without manifests, with its work dir
+            return
+        raise DataError(f"--dest {dest} is not empty and was not created by fairseq-modattn prepare "
+                        f"(no {MANIFEST}); give a new or empty folder, e.g. {dest / corpus}")
+    if manifest.get("corpus") not in (None, corpus) or (
+            src and tgt and (manifest.get("src"), manifest.get("tgt")) != (src, tgt)):
+        raise DataError(f"--dest {dest} holds the {manifest.get('corpus')} {manifest.get('src')}-"
+                        f"{manifest.get('tgt')} data-bin; give another --dest for {corpus}"
+                        + (f" {src}-{tgt}" if src and tgt else ""))
 
 
 def text_summary(name: str, dest: PathLike, text_dir: PathLike, splits: Sequence[str], src: str, tgt: str,
@@ -824,7 +1070,7 @@ def subword_binarize_summary(steps: Steps, args, text_dir: PathLike, sub_dir: Pa
     models = subword_steps(steps, text_dir, sub_dir, splits, src, tgt, method=args.subword, joint=joint,
                            joint_size=args.bpe_size, src_size=args.src_bpe_size, tgt_size=args.tgt_bpe_size)
     binarize_step(steps, sub_dir, args.dest, src, tgt, joined=joint, workers=args.workers,
-                  extra_files=models, splits=splits)
+                  extra_files=models, splits=splits, corpus=getattr(args, "corpus", None))
     dropped = CleanStats.load(clean_stats).reasons() if clean_stats else {}
     summary = text_summary(name, args.dest, sub_dir, splits, src, tgt, dropped)
     summary.notes.append(f"tokenised text: {text_dir}; subword text: {sub_dir}; "

@@ -95,6 +95,9 @@ def locate_members(members: Sequence[Member], archives: Dict[str, Archive], raw_
     need: Dict[str, List[Member]] = {}
     for m in members:
         for cand in _candidates(raw_dir, m):
+            if cand.exists() and not cand.is_file():
+                raise DataError("is a directory, expected a file (an extracted member of "
+                                f"{m.archive_name})" if cand.is_dir() else "not a regular file", cand)
             if cand.is_file():
                 found[m.path] = cand
                 break
@@ -176,7 +179,8 @@ def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), n
     steps.run("clean", outs + [stats_path], clean, inputs=[bpe_dir / p.name for p in outs],
               params={"ratio": args.clean_ratio, "min": args.clean_min, "max": args.clean_max,
                       "splits": list(clean_splits)})
-    P.binarize_step(steps, final, args.dest, src, tgt, joined=joint, workers=args.workers, extra_files=models)
+    P.binarize_step(steps, final, args.dest, src, tgt, joined=joint, workers=args.workers, extra_files=models,
+                    corpus=getattr(args, "corpus", None))
 
     stats = P.load_json(stats_path)
     dropped = {f"{split} {why}": n for split, st in stats.items() for why, n in st.items() if n}

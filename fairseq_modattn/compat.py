@@ -17,7 +17,13 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    ``fairseq-generate``, ``fairseq-interactive``, ``--restore-file`` and checkpoint averaging
    fail on every checkpoint. Rather than turning the safe loader off, we allow-list
    exactly the classes fairseq itself writes into checkpoints (``FAIRSEQ_CHECKPOINT_GLOBALS``);
-   any other class in a file is still refused by torch.
+   any other class in a file is still refused by torch. fairseq 0.12 ``TranslationTask``
+   with ``--eval-bleu`` also logs numpy int64 arrays (``_bleu_counts``, ``_bleu_totals``) into
+   the metrics every checkpoint stores (upstream issue #5603), so each checkpoint of such a run
+   was refused (``Unsupported global: numpy._core.multiarray._reconstruct``): the names a
+   numeric numpy array or scalar is pickled with map to guards that build only numeric arrays
+   (``FAIRSEQ_NUMPY_GLOBALS``); object, string and structured arrays, numpy subclasses and
+   direct calls of ``numpy.ndarray`` stay refused.
 
 3. fairseq 0.12 ``MultiheadAttention.forward`` hands the whole computation to
    ``F.multi_head_attention_forward`` whenever there is no incremental state and no
@@ -62,6 +68,26 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    barrier has returned, no collective is pending on any rank, and we destroy the groups
    there; a rank that raises is left as fairseq leaves it, since destroying a group with work
    in flight can block.
+
+7. fairseq 0.12 ``checkpoint_utils.load_checkpoint_to_cpu`` hands the file to ``torch.load``
+   unchecked, so a truncated ``checkpoint_last.pt`` (fairseq writes it with a non-atomic
+   ``PathManager.copy``; a run killed or out of disk during that copy leaves half a file) ends
+   ``fairseq-train`` (resume), ``fairseq-generate`` and ``fairseq-interactive`` with a
+   ~125-line traceback about a "central directory". When the load fails and the file is not
+   a complete torch archive, the wrapper raises ``DamagedCheckpointError`` whose one line names
+   the file and the newest intact ``checkpoint_E_U.pt`` / ``checkpointE.pt`` /
+   ``checkpoint_best.pt`` of its folder to restore from; an uncaught one is printed as that
+   line alone (``sys.excepthook``, for this exception class only). The package's own loaders
+   (``analysis.checkpoints``, ``analysis.loading``) report the same line.
+
+8. ``fairseq-score`` (fairseq 0.12 ``fairseq_cli/score.py``) calls
+   ``sacrebleu.corpus_bleu(file, [file])``, which sacrebleu >= 2.0 refuses ("Each element of
+   refs should be a sequence of strings"), and builds ``bleu.Scorer(pad, eos, unk)`` for
+   ``--sentence-bleu`` although 0.12's Scorer takes one ``BleuConfig``. fairseq-score has no
+   ``--user-dir`` and imports no plugin, so nothing here can reach that process;
+   ``fairseq-modattn score`` runs fairseq's own ``cli_main`` (same flags, same output) with
+   both calls adjusted for its duration only (``fairseq_score_adjusted``), each adjustment
+   applied only when the installed sacrebleu / fairseq shows the behaviour.
 """
 
 import argparse
@@ -69,10 +95,17 @@ import inspect
 import io
 import logging
 import os
+import pickle
+import re
+import sys
+import zipfile
 from contextlib import contextmanager
+from pathlib import Path
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
+from fairseq import checkpoint_utils
 from fairseq.data import data_utils
 from fairseq.distributed import utils as distributed_utils
 
@@ -129,12 +162,97 @@ if getattr(_FAIRSEQ_BATCH_BY_SIZE, "__module__", "") != __name__ and _drops_last
 
 
 # ------------------------------------------------------------------ 2. load fairseq checkpoints
-# The only non-tensor class that fairseq writes into its checkpoints (legacy model args), as
-# reported by torch.serialization.get_unsafe_globals_in_checkpoint on checkpoint_best.pt and
-# checkpoint_last.pt of this package's models; tests/test_cli.py loads one with weights_only.
+# The non-tensor objects fairseq writes into its checkpoints: argparse.Namespace (legacy model
+# args), and, in ``extra_state["metrics"]`` of every run trained with ``--eval-bleu``, the numpy
+# int64 arrays ``_bleu_counts`` / ``_bleu_totals`` (fairseq 0.12 ``TranslationTask.reduce_metrics``
+# logs them with ``metrics.log_scalar(np.array(...))``; upstream issue #5603). fairseq's meters
+# also accept numpy scalars (``meters.safe_round``). torch.serialization.
+# get_unsafe_globals_in_checkpoint reports, for such a checkpoint under numpy 2:
+# numpy._core.multiarray._reconstruct, numpy.ndarray, numpy.dtype (numpy 1.x writes numpy.core...).
 FAIRSEQ_CHECKPOINT_GLOBALS = [argparse.Namespace]
+
+# numpy arrays are NOT allow-listed as numpy's own objects: ``numpy.ndarray`` and ``numpy.dtype``
+# called by a pickle can build object arrays (``np.ndarray((2,), "O", buffer)`` even turns raw
+# bytes into object pointers). Each name a numeric array's pickle uses maps to a guard instead:
+#   numpy.ndarray                -> _PickledNdarrayType, a marker that cannot be instantiated;
+#   numpy.[_]core.multiarray._reconstruct -> an empty np.ndarray, only for that marker;
+#   numpy.dtype                  -> np.dtype from a type string, only of a numeric kind;
+#   numpy.[_]core.multiarray.scalar -> a numpy scalar of a numeric dtype from its bytes.
+# torch's BUILD step (``ndarray.__setstate__``, ``dtype.__setstate__``) also needs the types of
+# the objects built (np.ndarray, the numeric dtype classes) among the allowed values: they are
+# registered under names holding a newline, which no pickle GLOBAL can spell (module and name
+# are read as one line each), so a file can never call or instantiate them. numpy itself
+# refuses a list payload for a numeric array and checks the byte count against the shape.
+NUMERIC_DTYPE_KINDS = "biufc"  # bool, signed / unsigned integer, floating point, complex
+
+
+class _PickledNdarrayType:
+    """What the safe loader gets for the global ``numpy.ndarray``: a marker only
+    :func:`reconstruct_numeric_array` accepts; calling it (REDUCE / NEWOBJ) is refused."""
+
+    def __new__(cls, *args, **kwargs):
+        raise pickle.UnpicklingError("numpy.ndarray called directly refused: only numeric numpy arrays rebuilt "
+                                     "by numpy's _reconstruct are allowed")
+
+
+def _numeric(dtype):
+    if not isinstance(dtype, np.dtype) or dtype.kind not in NUMERIC_DTYPE_KINDS or dtype.hasobject \
+            or dtype.fields is not None or dtype.subdtype is not None:
+        shown = str(dtype) if isinstance(dtype, np.dtype) else type(dtype).__name__
+        raise pickle.UnpicklingError(
+            f"numpy dtype {shown!r} refused: only numeric numpy arrays and scalars (what fairseq "
+            "writes into checkpoint metrics) are allowed by fairseq_modattn.compat")
+    return dtype
+
+
+def numeric_dtype(spec, align=False, copy=True):
+    """``numpy.dtype`` as unpickled from a checkpoint: a fresh numeric dtype from a type string."""
+    if not isinstance(spec, str):
+        raise pickle.UnpicklingError(f"numpy dtype from {type(spec).__name__} refused: only type strings are allowed")
+    return _numeric(np.dtype(spec, bool(align), True))  # a copy: BUILD sets its state
+
+
+def reconstruct_numeric_array(subtype, shape, typecode):
+    """``numpy.core.multiarray._reconstruct`` as unpickled from a checkpoint: the empty plain
+    ndarray that ``ndarray.__reduce__`` starts from, filled by ``ndarray.__setstate__`` (BUILD)."""
+    if subtype is not _PickledNdarrayType or tuple(shape) != (0,) or not isinstance(typecode, (bytes, str)) \
+            or len(typecode) != 1:
+        raise pickle.UnpicklingError("numpy _reconstruct refused: only plain numpy arrays are allowed")
+    _numeric(np.dtype(typecode.decode("ascii") if isinstance(typecode, bytes) else typecode))
+    return _NUMPY_RECONSTRUCT(np.ndarray, (0,), typecode)
+
+
+def numeric_scalar(dtype, data=None):
+    """``numpy.core.multiarray.scalar`` as unpickled from a checkpoint: a numeric numpy scalar."""
+    _numeric(dtype)
+    if not isinstance(data, bytes) or len(data) != dtype.itemsize:
+        raise pickle.UnpicklingError(f"numpy scalar of {dtype} refused: expected {dtype.itemsize} bytes")
+    return _NUMPY_SCALAR(dtype, data)
+
+
+def empty_bytes(*args):
+    """``bytes()`` as unpickled from a checkpoint: protocol 2 writes an empty ``bytes`` (the data
+    of an empty numpy array) as a call of ``builtins.bytes`` without arguments; nothing else."""
+    if args:
+        raise pickle.UnpicklingError("builtins.bytes with arguments refused: only b'' is allowed")
+    return b""
+
+
+_NUMPY_RECONSTRUCT = np.zeros(0).__reduce__()[0]
+_NUMPY_SCALAR = np.float64(0).__reduce__()[0]
+_BUILD_ONLY = "\n(fairseq_modattn.compat: BUILD of numeric numpy objects only, no pickle can name this)"
+FAIRSEQ_NUMPY_GLOBALS = [
+    (_PickledNdarrayType, "numpy.ndarray"),
+    (numeric_dtype, "numpy.dtype"),
+    *[(guard, f"{module}.multiarray.{name}") for module in ("numpy._core", "numpy.core")
+      for guard, name in ((reconstruct_numeric_array, "_reconstruct"), (numeric_scalar, "scalar"))],
+    (empty_bytes, "builtins.bytes"),
+    (np.ndarray, "numpy.ndarray" + _BUILD_ONLY),
+    *[(cls, f"{cls.__module__}.{cls.__qualname__}" + _BUILD_ONLY)
+      for cls in {type(np.dtype(code)) for code in np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"}],
+]
 if hasattr(torch.serialization, "add_safe_globals"):
-    torch.serialization.add_safe_globals(FAIRSEQ_CHECKPOINT_GLOBALS)
+    torch.serialization.add_safe_globals(FAIRSEQ_CHECKPOINT_GLOBALS + FAIRSEQ_NUMPY_GLOBALS)
 
 
 # ------------------------------------------------------------------ 3. per-head attention weights
@@ -259,3 +377,220 @@ _FAIRSEQ_DISTRIBUTED_MAIN = distributed_utils.distributed_main
 # call_main calls (or spawns) it through its module global at call time.
 if _leaves_group_alive(_FAIRSEQ_DISTRIBUTED_MAIN):
     distributed_utils.distributed_main = distributed_main_destroying_group
+
+
+# ------------------------------------------------------------------ 7. damaged checkpoint files
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint file that is not a complete torch archive; the message is one line naming
+    the file and the intact checkpoints beside it to restore from."""
+
+
+_UPDATE_CHECKPOINT = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")
+_EPOCH_CHECKPOINT = re.compile(r"^checkpoint(\d+)\.pt$")
+
+
+def checkpoint_damage(path) -> Optional[str]:
+    """Why the file PATH is not a complete checkpoint ("truncated ..."), or None when it looks
+    whole. torch >= 1.6 writes checkpoints as zip archives: every member's CRC is checked (this
+    reads the file, so it runs only after a load has failed). A legacy (non-zip) file is only
+    judged damaged when empty."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return None  # a missing or unreadable file is not "damaged": keep the loader's own error
+    if size == 0:
+        return "empty file"
+    if head[:2] != b"PK":
+        return None if head[:1] == b"\x80" else "not a torch checkpoint (neither a zip archive nor a pickle)"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        return f"truncated or corrupt: {size} bytes without a readable zip directory, {e}"
+    if bad is not None:
+        return f"corrupt data in its member {bad}"
+    return None
+
+
+def _looks_complete(path: Path) -> bool:
+    """A quick check for the restore candidates: a zip archive whose directory can be read and
+    whose members all lie within the file (a copy or write cut short fails it)."""
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.infolist()) and all(
+                info.header_offset + info.compress_size <= size for info in archive.infolist())
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError):
+        return False
+
+
+def restore_candidates(damaged) -> List[Path]:
+    """The complete fairseq checkpoints in DAMAGED's folder, newest first: ``checkpoint_E_U.pt``
+    and ``checkpointE.pt`` by (epoch, updates) (an epoch's own checkpoint after its update
+    checkpoints), then ``checkpoint_best.pt`` and ``checkpoint_last.pt``; DAMAGED excluded."""
+    damaged = Path(damaged)
+    numbered, named = [], []
+    try:
+        entries = list(damaged.parent.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name == damaged.name:
+            continue
+        update, epoch = _UPDATE_CHECKPOINT.match(entry.name), _EPOCH_CHECKPOINT.match(entry.name)
+        if update:
+            numbered.append(((int(update.group(1)), int(update.group(2))), entry))
+        elif epoch:
+            numbered.append(((int(epoch.group(1)), float("inf")), entry))
+        elif entry.name in ("checkpoint_best.pt", "checkpoint_last.pt"):
+            named.append(entry)
+    ordered = [p for _, p in sorted(numbered, key=lambda item: item[0], reverse=True)] + sorted(named)
+    return [p for p in ordered if p.is_file() and _looks_complete(p)]
+
+
+def damaged_checkpoint_message(path, damage: str) -> str:
+    """One line: which file is damaged and which checkpoints of its folder to restore from."""
+    path = Path(path)
+    intact = restore_candidates(path)
+    message = f"cannot load checkpoint {path}: the file is damaged ({damage})"
+    if not intact:
+        return message + (f"; no intact checkpoint in {path.parent} to restore from: delete it to start "
+                          "again without it")
+    others = ", ".join(p.name for p in intact[1:4]) + (f" and {len(intact) - 4} more" if len(intact) > 4 else "")
+    if _UPDATE_CHECKPOINT.match(path.name) or _EPOCH_CHECKPOINT.match(path.name):
+        message += f"; intact checkpoints in {path.parent}: {intact[0].name}"
+        return message + (f", {others}" if others else "")
+    message += f"; restore it from the newest intact one: cp {intact[0]} {path}"
+    return message + (f" (also intact there: {others})" if others else "")
+
+
+def load_checkpoint_to_cpu_reporting_damage(path, *args, **kwargs):
+    """fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (fix 7): a file that is not a
+    complete checkpoint raises DamagedCheckpointError with a one-line message instead."""
+    try:
+        return _FAIRSEQ_LOAD_CHECKPOINT_TO_CPU(path, *args, **kwargs)
+    except Exception as e:
+        damage = checkpoint_damage(path) if isinstance(path, (str, os.PathLike)) else None
+        if damage is None:
+            raise
+        raise DamagedCheckpointError(damaged_checkpoint_message(path, damage)) from e
+
+
+def _loads_without_checking_file(load_checkpoint_to_cpu) -> bool:
+    source = _source_of(load_checkpoint_to_cpu)
+    return "torch.load(" in source and "DamagedCheckpointError" not in source
+
+
+def _report_damaged_checkpoint(exc_type, exc, tb):
+    """sys.excepthook: a DamagedCheckpointError that ends a command is printed as its one line
+    (``fairseq-train: error: checkpoint ... is damaged ...``); anything else as before."""
+    if isinstance(exc, DamagedCheckpointError):
+        print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {exc}", file=sys.stderr)
+    else:
+        _PREVIOUS_EXCEPTHOOK(exc_type, exc, tb)
+
+
+_PREVIOUS_EXCEPTHOOK = sys.__excepthook__
+_FAIRSEQ_LOAD_CHECKPOINT_TO_CPU = checkpoint_utils.load_checkpoint_to_cpu
+# Trainer.load_checkpoint calls checkpoint_utils.load_checkpoint_to_cpu, and
+# load_model_ensemble_and_task (fairseq-generate, -interactive, our analysis loader) calls it as
+# a module global of checkpoint_utils: both look it up at call time.
+if getattr(_FAIRSEQ_LOAD_CHECKPOINT_TO_CPU, "__module__", "") != __name__ and _loads_without_checking_file(
+        _FAIRSEQ_LOAD_CHECKPOINT_TO_CPU):
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu_reporting_damage
+    if getattr(sys.excepthook, "__qualname__", "") != _report_damaged_checkpoint.__qualname__:
+        _PREVIOUS_EXCEPTHOOK = sys.excepthook
+        sys.excepthook = _report_damaged_checkpoint
+
+
+def describe_load_failure(path, error: BaseException) -> str:
+    """One line saying why loading the checkpoint PATH with torch's safe loader failed: a damaged
+    file (fix 7, with what to restore from), a class refused by the allow-list (fix 2), else the
+    first line of the error."""
+    damage = checkpoint_damage(path)
+    if damage is not None:
+        return damaged_checkpoint_message(path, damage)
+    text = str(error)
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if refused:
+        return (f"cannot load checkpoint {path} with torch.load(weights_only=True): it holds {refused.group(1)}, "
+                "which is not among what fairseq writes into checkpoints (argparse.Namespace, numeric numpy "
+                "arrays); refused as unsafe")
+    guard = re.search(r"^.*refused.*allowed.*$", text, re.MULTILINE)  # the guards of fix 2
+    if isinstance(error, pickle.UnpicklingError) and guard:
+        return f"cannot load checkpoint {path} with torch.load(weights_only=True): {guard.group(0).strip()}"
+    first_line = (text.strip().splitlines() or [""])[0][:300]
+    return f"cannot load checkpoint {path} with torch.load(weights_only=True): {type(error).__name__}: {first_line}"
+
+
+# ------------------------------------------------------------------ 8. fairseq-score
+_SACREBLEU_CORPUS_BLEU = _FAIRSEQ_BLEU_SCORER = None  # set by fairseq_score_adjusted
+
+
+def corpus_bleu_reading_files(hypotheses, references, *args, **kwargs):
+    """``sacrebleu.corpus_bleu`` that also takes open files (one sentence a line), as sacrebleu
+    1.x did: files are read into lists of lines first."""
+    def lines(stream):
+        return stream if isinstance(stream, (str, Sequence)) else [line.rstrip("\n") for line in stream]
+
+    return _SACREBLEU_CORPUS_BLEU(lines(hypotheses), [lines(r) for r in references], *args, **kwargs)
+
+
+def bleu_scorer_of_indices(*args, **kwargs):
+    """``fairseq.scoring.bleu.Scorer`` that also takes ``(pad, eos, unk)``, the call of
+    fairseq-score --sentence-bleu, as well as its ``BleuConfig``."""
+    from fairseq.scoring import bleu
+
+    if len(args) == 3 and not kwargs:
+        args = (bleu.BleuConfig(pad=args[0], eos=args[1], unk=args[2]),)
+    return _FAIRSEQ_BLEU_SCORER(*args, **kwargs)
+
+
+def _sacrebleu_refuses_files(corpus_bleu) -> bool:
+    try:
+        corpus_bleu(io.StringIO("a b c d\n"), [io.StringIO("a b c d\n")])
+    except TypeError:
+        return True
+    return False
+
+
+@contextmanager
+def fairseq_score_adjusted():
+    """Within the block, fairseq-score's ``--sacrebleu`` and ``--sentence-bleu`` work (fix 8);
+    both module attributes are restored afterwards."""
+    global _SACREBLEU_CORPUS_BLEU, _FAIRSEQ_BLEU_SCORER
+    import sacrebleu
+    from fairseq.scoring import bleu
+    from fairseq_cli import score
+
+    saved = sacrebleu.corpus_bleu, bleu.Scorer
+    _SACREBLEU_CORPUS_BLEU, _FAIRSEQ_BLEU_SCORER = saved
+    if _sacrebleu_refuses_files(sacrebleu.corpus_bleu):
+        sacrebleu.corpus_bleu = corpus_bleu_reading_files
+    if "Scorer(dict.pad(), dict.eos(), dict.unk())" in _source_of(score.cli_main) and \
+            list(inspect.signature(bleu.Scorer.__init__).parameters) == ["self", "cfg"]:
+        bleu.Scorer = bleu_scorer_of_indices
+    try:
+        yield
+    finally:
+        sacrebleu.corpus_bleu, bleu.Scorer = saved
+
+
+def fairseq_score(argv: List[str]) -> int:
+    """``fairseq-modattn score``: fairseq-score with its own flags and output (fix 8)."""
+    from fairseq_cli import score
+
+    saved_argv = sys.argv
+    sys.argv = ["fairseq-modattn score", *argv]  # fairseq's parser reads sys.argv
+    try:
+        with fairseq_score_adjusted():
+            score.cli_main()
+    except (AssertionError, FileNotFoundError) as e:  # fairseq asserts that both files exist
+        print(f"fairseq-modattn score: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved_argv
+    return 0

@@ -7,7 +7,8 @@ pip package, so this module provides the same selection rules (``checkpointEPOCH
 (element-wise mean of the model parameters), with three differences:
 
 * files are read with torch's safe loader (``weights_only=True``); ``fairseq_modattn.compat``
-  allow-lists the one class fairseq writes into checkpoints, anything else is refused;
+  allow-lists what fairseq writes into checkpoints (``argparse.Namespace``, numeric numpy arrays),
+  anything else is refused; a damaged file is named with the intact checkpoints beside it;
 * parameters are summed in float64 and cast back, and integer buffers must agree across the
   checkpoints instead of being integer-divided;
 * the result is written to a temporary file and renamed, so a crash never leaves half a file.
@@ -92,11 +93,12 @@ def find_checkpoints(
 def load_checkpoint_safely(path: PathLike) -> dict:
     """``torch.load(path, weights_only=True)`` on CPU, every failure turned into an AnalysisError.
 
-    ``fairseq_modattn.compat`` is imported first: it allow-lists ``argparse.Namespace`` (fairseq's
-    legacy model args), the only non-tensor class in a fairseq checkpoint. Files holding any
-    other class are refused, exactly as torch's safe loader refuses them.
+    ``fairseq_modattn.compat`` is imported first: it allow-lists what fairseq writes into its
+    checkpoints besides tensors, ``argparse.Namespace`` (legacy model args) and numeric numpy
+    arrays (the ``--eval-bleu`` metrics), fix 2. Files holding any other class, or numpy arrays
+    of objects, are refused, exactly as torch's safe loader refuses them.
     """
-    import fairseq_modattn.compat  # noqa: F401  (the allow-list)
+    from fairseq_modattn import compat  # the allow-list, and the one-line load errors
 
     path = Path(path)
     if not path.is_file():
@@ -104,14 +106,8 @@ def load_checkpoint_safely(path: PathLike) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        if refused:
-            raise AnalysisError(
-                f"cannot load checkpoint {path} with torch.load(weights_only=True): it holds the class "
-                f"{refused.group(1)}, which fairseq does not write into checkpoints; refused as unsafe") from e
-        first_line = (str(e).strip().splitlines() or [""])[0][:300]
-        raise AnalysisError(f"cannot load checkpoint {path} with torch.load(weights_only=True): "
-                            f"{type(e).__name__}: {first_line}") from e
+        # one line: a damaged file and what to restore it from, a refused class, or the error
+        raise AnalysisError(compat.describe_load_failure(path, e)) from e
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise AnalysisError(f"{path} is not a fairseq checkpoint: expected a dict with a 'model' state dict")
     return state

@@ -2,9 +2,11 @@
 
 Works for this package's models and for plain fairseq checkpoints (``transformer``, ``lstm``,
 ...), so the analysis of a DMA model can be set against the user's own baseline. Loading goes
-through fairseq's ``checkpoint_utils`` with torch's safe loader (``compat.py``, fix 2).
+through fairseq's ``checkpoint_utils`` with torch's safe loader (``compat.py``, fix 2); a damaged
+file or a refused class is one line of AnalysisError (fix 7).
 """
 
+import pickle
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -18,6 +20,7 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
     it (checkpoints remember the folder they were trained on, which may be elsewhere now)."""
     import fairseq_modattn  # noqa: F401  (registers the models; the loading fixes of compat.py)
     from fairseq import checkpoint_utils
+    from fairseq_modattn import compat
 
     path = Path(path)
     if not path.is_file():
@@ -27,6 +30,10 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
     overrides = {"data": str(data)} if data is not None else {}
     try:
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides=overrides)
+    except (compat.DamagedCheckpointError, pickle.UnpicklingError) as e:
+        # one line: the damaged file and the intact checkpoints beside it (compat fix 7), or the
+        # class torch's safe loader refused (fix 2), instead of torch's paragraphs
+        raise AnalysisError(compat.describe_load_failure(path, e)) from e
     except (RuntimeError, KeyError, OSError, EOFError) as e:
         raise AnalysisError(f"cannot load checkpoint {path}: {e}") from e
     model = models[0]

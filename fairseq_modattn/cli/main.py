@@ -20,6 +20,9 @@
                                              # Multi30k: prepare, train, evaluate, compare (CPU, ~10 min)
     fairseq-modattn serve --path CKPT --data DATA-BIN [--port 8000]
                                              # translation demo page + JSON API with attention views
+    fairseq-modattn score -s SYS -r REF [--sacrebleu | --sentence-bleu]
+                                             # fairseq-score (its flags and output), working with
+                                             # sacrebleu 2.x (fairseq_modattn/compat.py, fix 8)
 
 Why ``flags`` exists: ``fairseq-train --arch ARCH -h`` prints its help during its first parsing
 pass, before it adds the model's arguments (fairseq 0.12 ``options.parse_args_and_arch``), so
@@ -111,6 +114,10 @@ def prepare(argv: List[str]) -> int:
     except DataError as e:
         print(f"fairseq-modattn prepare {argv[0]}: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a disk that fills up, a folder made read-only while running...
+        print(f"fairseq-modattn prepare {argv[0]}: error: {e}; finished steps are kept, fix it and rerun "
+              "the same command to continue", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"fairseq-modattn prepare {argv[0]}: interrupted; finished steps are kept, "
               "rerun the same command to continue", file=sys.stderr)
@@ -129,6 +136,8 @@ COMMANDS = {
     "ablate": lambda argv: __import__("fairseq_modattn.cli.ablate", fromlist=["ablate"]).ablate(argv),
     "quickstart": lambda argv: __import__("fairseq_modattn.cli.quickstart", fromlist=["quickstart"]).quickstart(argv),
     "serve": lambda argv: __import__("fairseq_modattn.cli.serve", fromlist=["serve"]).serve(argv),
+    # fairseq-score never imports a plugin (it has no --user-dir), so its fixes run from here
+    "score": lambda argv: __import__("fairseq_modattn.compat", fromlist=["fairseq_score"]).fairseq_score(argv),
 }
 
 

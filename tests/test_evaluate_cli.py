@@ -72,6 +72,9 @@ def test_evaluate_one_checkpoint_with_references_file(multi30k_bin, multi30k_dir
     assert results["sentences"] == 100 and not results["averaged"] and results["compound_split_bleu"] is None
     assert results["sacrebleu_references"] == f"file {refs.resolve()}"
     assert 0 <= results["sacrebleu"] <= 100
+    # the model is trained on lower-cased text, the raw references are true case
+    assert results["lowercase"] is True and "case:lc" in results["sacrebleu_signature"]
+    assert "sacreBLEU is case-insensitive" in out
     assert (tmp_path / "res" / "valid.work" / "generate-valid.txt").exists()
     assert not (tmp_path / "res" / "valid.work" / "averaged.pt").exists()
 

@@ -13,6 +13,7 @@ from fairseq_modattn.analysis.scoring import (
     detok_sacrebleu,
     detokenize,
     parse_generate_output,
+    sacrebleu_scores,
     tokenized_bleu,
 )
 
@@ -117,9 +118,27 @@ def test_parse_generate_output():
 
 def test_parse_generate_output_bleu_value_and_absence():
     line = "Generate valid with beam=4: BLEU4 = 27.35, 60.1/33.5/20.9/13.4 (BP=1.000, ratio=1.01, syslen=10, reflen=10)"
-    assert parse_generate_output("H-0\t-1.0\tx\n" + line + "\n").bleu == 27.35
+    parsed = parse_generate_output("H-0\t-1.0\tx\n" + line + "\n")
+    assert parsed.bleu == 27.35 and parsed.beam == 4
     empty = parse_generate_output("H-0\t-1.0\tx\n")
-    assert empty.bleu is None and empty.bleu_line is None
+    assert empty.bleu is None and empty.bleu_line is None and empty.beam is None
+
+
+def test_case_insensitive_sacrebleu_matches_sacrebleu():
+    import sacrebleu
+
+    hyps, refs = ["a man rides a horse .", "two dogs play in the snow ."], ["A man rides a horse .", "Two Dogs play ."]
+    score, signature = detok_sacrebleu(hyps, refs, lowercase=True)
+    assert score == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], lowercase=True).score, abs=1e-9)
+    assert "case:lc" in signature and score > detok_sacrebleu(hyps, refs)[0]
+    scores = sacrebleu_scores(hyps, refs)
+    assert scores["lowercase"] and scores["sacrebleu"] == score
+    assert scores["sacrebleu_case_sensitive"] == detok_sacrebleu(hyps, refs)[0]
+    forced = sacrebleu_scores(hyps, refs, case_sensitive=True)
+    assert not forced["lowercase"] and forced["sacrebleu"] == forced["sacrebleu_case_sensitive"]
+    assert "--case-sensitive" in forced["lowercase_reason"]
+    cased = sacrebleu_scores(["A man rides a horse ."], ["a Man rides a horse ."])
+    assert not cased["lowercase"] and cased["lowercase_reason"] is None and "case:mixed" in cased["sacrebleu_signature"]
 
 
 @pytest.mark.parametrize("duplicate", ["H-12\t-1.0\tagain", "T-219\tanother reference", "S-5\tnoch einmal"])

@@ -6,7 +6,8 @@
   :func:`tokenized_bleu`; this is fairseq's ``scripts/compound_split_bleu.sh``, which the pip
   package does not ship;
 * detokenized sacreBLEU with its signature: :func:`detokenize` (sacremoses) on the
-  hypotheses, then :func:`detok_sacrebleu`.
+  hypotheses, then :func:`detok_sacrebleu`; :func:`sacrebleu_scores` scores a lower-cased
+  system against true-case references case-insensitively (:func:`lowercased_system`).
 
 :func:`parse_generate_output` reads ``fairseq-generate``'s stdout into a :class:`GenerateResult`.
 """
@@ -42,7 +43,7 @@ class GenerateResult:
     """What ``fairseq-generate`` printed, keyed by sentence id (its index in the data-bin split).
 
     ``hypotheses`` and ``detokenized`` hold the text of the ``H-`` and ``D-`` lines,
-    ``scores`` the ``H-`` line's score; ``bleu``/``bleu_line`` come from the final
+    ``scores`` the ``H-`` line's score; ``bleu``/``bleu_line``/``beam`` come from the final
     ``Generate SUBSET with beam=N: BLEU4 = ...`` line (None when it is absent, e.g. a split
     without targets).
     """
@@ -54,6 +55,7 @@ class GenerateResult:
     detokenized: Dict[int, str] = field(default_factory=dict)
     bleu: Optional[float] = None
     bleu_line: Optional[str] = None
+    beam: Optional[int] = None
 
 
 def _store(table: Dict[int, str], kind: str, sentence_id: int, text: str, number: int):
@@ -89,7 +91,7 @@ def parse_generate_output(text: str) -> GenerateResult:
             continue
         match = _BLEU_LINE.match(line)
         if match:
-            result.bleu, result.bleu_line = float(match.group(3)), line.strip()
+            result.bleu, result.bleu_line, result.beam = float(match.group(3)), line.strip(), int(match.group(2))
     return result
 
 
@@ -116,8 +118,10 @@ def tokenized_bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     return float(scorer.score(order=4))
 
 
-def detok_sacrebleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a") -> Tuple[float, str]:
-    """(corpus sacreBLEU, its signature) of detokenized hypotheses against one reference each.
+def detok_sacrebleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a",
+                    lowercase: bool = False) -> Tuple[float, str]:
+    """(corpus sacreBLEU, its signature) of detokenized hypotheses against one reference each;
+    case-insensitive (sacreBLEU's ``lowercase=True``, ``case:lc`` in the signature) with LOWERCASE.
 
     The signature (``nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:...``) is what
     makes a sacreBLEU number comparable, so it is always returned with the score.
@@ -126,11 +130,52 @@ def detok_sacrebleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "1
 
     _check_pairs(hyps, refs)
     try:
-        metric = BLEU(tokenize=tokenize)
+        metric = BLEU(tokenize=tokenize, lowercase=lowercase)
     except Exception as e:
         raise AnalysisError(f"sacrebleu rejects tokenize={tokenize!r}: {e}") from e
     score = metric.corpus_score(list(hyps), [list(refs)])
     return float(score.score), str(metric.get_signature())
+
+
+def _has_upper(line: str) -> bool:
+    return line != line.lower()
+
+
+def lowercased_system(hyps: Sequence[str], refs: Sequence[str]) -> bool:
+    """True when the hypotheses are all lower case (and hold at least one letter that has a
+    case) while some reference is not: a system trained on lower-cased data (the Multi30k and
+    IWSLT recipes lower-case) scored against true-case references, which case-sensitive BLEU
+    would penalise for every capital letter it cannot produce."""
+    if any(_has_upper(h) for h in hyps):
+        return False
+    if not any(ch.lower() != ch.upper() for h in hyps for ch in h):
+        return False  # nothing cased (digits, punctuation, Chinese): case cannot matter
+    return any(_has_upper(r) for r in refs)
+
+
+LOWERCASE_REASON = ("the hypotheses are all lower case and the references are not (a system trained on "
+                    "lower-cased data): case-sensitive sacreBLEU would count every capital letter of the "
+                    "references as an error")
+
+
+def sacrebleu_scores(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a",
+                     case_sensitive: bool = False) -> Dict[str, object]:
+    """Detokenized sacreBLEU, case-insensitive when :func:`lowercased_system` (unless
+    CASE_SENSITIVE), as a dict: ``sacrebleu`` and ``sacrebleu_signature`` (the headline),
+    ``lowercase`` (whether the headline is case-insensitive), ``lowercase_reason`` (None when
+    hypotheses and references agree on case; else why the headline is, or with CASE_SENSITIVE
+    is not, case-insensitive), and ``sacrebleu_case_sensitive`` with its signature, always."""
+    cased, cased_signature = detok_sacrebleu(hyps, refs, tokenize)
+    scores = {"sacrebleu": cased, "sacrebleu_signature": cased_signature, "lowercase": False,
+              "lowercase_reason": None, "sacrebleu_case_sensitive": cased,
+              "sacrebleu_case_sensitive_signature": cased_signature}
+    if lowercased_system(hyps, refs):
+        if case_sensitive:
+            scores["lowercase_reason"] = f"not lower-cased (--case-sensitive) although {LOWERCASE_REASON}"
+        else:
+            scores["sacrebleu"], scores["sacrebleu_signature"] = detok_sacrebleu(hyps, refs, tokenize, lowercase=True)
+            scores["lowercase"], scores["lowercase_reason"] = True, LOWERCASE_REASON
+    return scores
 
 
 def detokenize(lines: Sequence[str], lang: str) -> List[str]:

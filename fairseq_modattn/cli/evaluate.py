@@ -5,7 +5,9 @@ same flags. ``evaluate`` does what DESIGN.md's "Evaluation definitions" ask for 
 average the last N epoch checkpoints, run the real ``fairseq-generate`` (beam 5,
 ``--remove-bpe``) on a split, check that every sentence of the split was translated (fairseq
 main silently drops batches, DESIGN.md), and report fairseq's tokenized BLEU, detokenized
-sacreBLEU with its signature and, for WMT14, compound-split BLEU, in a JSON file.
+sacreBLEU with its signature and, for WMT14, compound-split BLEU, in a JSON file, with the
+generation options fairseq-generate ran with (arguments after ``--`` included). sacreBLEU of a
+lower-cased system against true-case references is case-insensitive unless ``--case-sensitive``.
 """
 
 import argparse
@@ -46,7 +48,8 @@ def average_parser() -> argparse.ArgumentParser:
                    help="checkpoint files to average, or ONE directory together with "
                         "--num-epoch-checkpoints / --num-update-checkpoints")
     p.add_argument("--output", required=True, metavar="FILE",
-                   help="where to write the averaged checkpoint (written atomically)")
+                   help="where to write the averaged checkpoint (written atomically; an existing "
+                        "directory is refused, never replaced)")
     n = p.add_mutually_exclusive_group()
     n.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
                    help="average the last N checkpointEPOCH.pt files of the --inputs directory")
@@ -62,6 +65,7 @@ def average(argv: List[str]) -> int:
     parser = average_parser()
     args = parser.parse_args(argv)
     try:
+        _refuse_directory_output(args.output)  # before any work; a folder is never replaced
         paths = _average_inputs(args)
         print(f"averaging {len(paths)} checkpoint(s):")
         for path in paths:
@@ -72,6 +76,13 @@ def average(argv: List[str]) -> int:
         print(f"fairseq-modattn average: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _refuse_directory_output(path, flag: str = "--output"):
+    """AnalysisError '--output X is a directory; give a file path' (checked before any work)."""
+    from ..data.pipeline import check_output_file
+
+    check_output_file(path, flag, error=AnalysisError)
 
 
 def _average_inputs(args) -> List[Path]:
@@ -219,6 +230,81 @@ def _run_generate(command: List[str], output: Path, expected: int, log: Callable
     return stdout
 
 
+def _json_value(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return str(value)
+
+
+def generation_options(generate_args: Sequence[str]) -> Dict[str, object]:
+    """fairseq's generation options (every field of its GenerationConfig: beam, lenpen,
+    max_len_b, ..., defaults included) for the fairseq-generate arguments GENERATE_ARGS (the
+    command line without the program), parsed by fairseq's own parser exactly as
+    ``fairseq-generate`` builds it, so a later ``--beam 4`` or ``--beam=4`` wins over an
+    earlier ``--beam 5``. Arguments fairseq rejects are an AnalysisError."""
+    import contextlib
+    import dataclasses
+    import io
+    import logging
+
+    from fairseq import options
+    from fairseq.dataclass.configs import GenerationConfig
+
+    parser = options.get_generation_parser()
+    parser.prog = "fairseq-generate"
+    # fairseq_cli.generate.cli_main adds this one to the generation parser
+    parser.add_argument("--arch", "-a", metavar="ARCH", default="wav2vec2")
+    messages, quiet = io.StringIO(), logging.getLogger("fairseq.utils")  # "--user-dir ... already imported"
+    level = quiet.level
+    try:
+        quiet.setLevel(logging.WARNING)
+        with contextlib.redirect_stderr(messages):
+            args = options.parse_args_and_arch(parser, input_args=list(generate_args))
+    except SystemExit:
+        said = messages.getvalue().strip().splitlines()
+        raise AnalysisError("fairseq-generate rejects its arguments: "
+                            f"{said[-1] if said else shlex.join(generate_args)}") from None
+    finally:
+        quiet.setLevel(level)
+    return {f.name: _json_value(getattr(args, f.name)) for f in dataclasses.fields(GenerationConfig)
+            if not f.name.startswith("_") and hasattr(args, f.name)}
+
+
+_LOGGED_GENERATION = re.compile(r"fairseq_cli\.generate\b.*?'generation': (\{[^{}]*\})")
+
+
+def _generation_fairseq_logged(parsed: Dict[str, object], text: str, result: scoring.GenerateResult,
+                               output: Path) -> Dict[str, object]:
+    """The generation options fairseq-generate logged (its config line, in TEXT: its stdout and
+    stderr), checked against PARSED (:func:`generation_options`) and the beam of its BLEU line;
+    PARSED when no config line was logged (e.g. LOGLEVEL=WARNING). A disagreement means the
+    fairseq-generate that ran is not the fairseq this interpreter parses with: an AnalysisError."""
+    import ast
+
+    generation = parsed
+    match = _LOGGED_GENERATION.search(text)
+    if match:
+        try:
+            logged = ast.literal_eval(match.group(1))
+        except (ValueError, SyntaxError):
+            logged = None
+        if isinstance(logged, dict):
+            differ = sorted(k for k in parsed if k in logged and parsed[k] != logged[k])
+            if differ:
+                raise AnalysisError(
+                    "fairseq-generate logged generation options other than fairseq's parser here gives ("
+                    + ", ".join(f"{k}: {logged[k]!r} vs {parsed[k]!r}" for k in differ)
+                    + f"); is {fairseq_script('fairseq-generate')} from another fairseq installation? "
+                    f"Its log: {output.with_suffix('.log')}")
+            generation = {k: _json_value(logged[k]) if k in logged else v for k, v in parsed.items()}
+    if result.beam is not None and result.beam != generation["beam"]:
+        raise AnalysisError(f"fairseq-generate's BLEU line says beam={result.beam} but its options give "
+                            f"beam {generation['beam']}; output in {output}")
+    return generation
+
+
 def _versions() -> Dict[str, str]:
     import fairseq
     import sacrebleu
@@ -246,6 +332,7 @@ def evaluate_checkpoints(
     log: Callable[[str], None] = print,
     source_lang: Optional[str] = None,
     target_lang: Optional[str] = None,
+    case_sensitive: bool = False,
 ) -> dict:
     """Average CHECKPOINTS (when more than one), translate SUBSET of DATA with the real
     ``fairseq-generate``, check every sentence was translated, and return the results dict
@@ -253,6 +340,12 @@ def evaluate_checkpoints(
 
     ``work_dir`` receives ``averaged.pt`` and ``generate-SUBSET.txt`` (fairseq-generate's stdout;
     its stderr goes to ``generate-SUBSET.log``). Nothing is written before the inputs are checked.
+
+    BEAM and LENPEN go on fairseq-generate's command line before EXTRA_GENERATE_ARGS, which
+    override them; the results' ``beam``, ``lenpen`` and ``generation`` (all of fairseq's
+    GenerationConfig) are what fairseq-generate ran with. sacreBLEU is case-insensitive when
+    the hypotheses are all lower case and the references are not, unless CASE_SENSITIVE
+    (:func:`scoring.sacrebleu_scores`).
     """
     import torch
 
@@ -268,13 +361,7 @@ def evaluate_checkpoints(
     tokenize = sacrebleu_tokenize or ("zh" if tgt == "zh" else "13a")
     generate = fairseq_script("fairseq-generate")
     work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-
-    if len(checkpoints) > 1:
-        log(f"averaging {len(checkpoints)} checkpoints: {', '.join(str(c) for c in checkpoints)}")
-        model_path = ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(checkpoints), work_dir / "averaged.pt")
-    else:
-        model_path = checkpoints[0]
+    model_path = work_dir / "averaged.pt" if len(checkpoints) > 1 else checkpoints[0]
     data = os.pathsep.join(str(Path(part).resolve()) for part in str(data).split(os.pathsep))
     command = [generate, data, "--user-dir", str(PLUGIN_DIR), "--path", str(Path(model_path).resolve()),
                "--gen-subset", subset, "--beam", str(beam), "--remove-bpe", "--lenpen", str(lenpen)]
@@ -287,10 +374,17 @@ def evaluate_checkpoints(
     if cpu or not torch.cuda.is_available():
         command.append("--cpu")
     command += [str(a) for a in extra_generate_args]
+    generation = generation_options(command[1:])  # what fairseq-generate will run with (-- args win)
 
-    log(f"generating {expected} sentences of {subset} ({src}-{tgt}) with beam {beam}")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if len(checkpoints) > 1:
+        log(f"averaging {len(checkpoints)} checkpoints: {', '.join(str(c) for c in checkpoints)}")
+        ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(checkpoints), model_path)
+    log(f"generating {expected} sentences of {subset} ({src}-{tgt}) with beam {generation['beam']}, "
+        f"lenpen {generation['lenpen']}")
     output = work_dir / f"generate-{subset}.txt"
-    result = scoring.parse_generate_output(_run_generate(command, output, expected, log))
+    stdout = _run_generate(command, output, expected, log)
+    result = scoring.parse_generate_output(stdout)
     _check_every_sentence_translated(result, expected, subset, output)
     if result.bleu is None:
         raise AnalysisError(f"fairseq-generate printed no 'Generate {subset} with beam=...: BLEU4' line "
@@ -298,6 +392,8 @@ def evaluate_checkpoints(
     if len(result.targets) != expected and (raw_refs is None or compound_split):
         raise AnalysisError(f"fairseq-generate printed {len(result.targets)} T- (reference) lines for "
                             f"{expected} sentences; output in {output}")
+    generation = _generation_fairseq_logged(
+        generation, stdout + "\n" + output.with_suffix(".log").read_text(encoding="utf-8"), result, output)
 
     log("scoring")
     ids = range(expected)
@@ -308,7 +404,13 @@ def evaluate_checkpoints(
         reference_kind = "moses-detokenized T- lines of fairseq-generate"
     else:
         refs_for_sacrebleu, reference_kind = raw_refs, f"file {Path(references).resolve()}"
-    sacre, signature = scoring.detok_sacrebleu(detok_hyps, refs_for_sacrebleu, tokenize)
+    sacre = scoring.sacrebleu_scores(detok_hyps, refs_for_sacrebleu, tokenize, case_sensitive=case_sensitive)
+    if sacre["lowercase"]:
+        log(f"sacreBLEU is case-insensitive (sacreBLEU lowercase=True): {sacre['lowercase_reason']}; "
+            f"the case-sensitive score, {sacre['sacrebleu_case_sensitive']:.2f}, is recorded too "
+            "(--case-sensitive makes it the headline)")
+    elif sacre["lowercase_reason"]:
+        log(f"warning: sacreBLEU is case-sensitive as --case-sensitive asks, although {scoring.LOWERCASE_REASON}")
     split_bleu = None
     if compound_split:
         split_bleu = scoring.tokenized_bleu([scoring.compound_split(h) for h in hyps],
@@ -322,14 +424,14 @@ def evaluate_checkpoints(
         "checkpoints": [str(c.resolve()) for c in checkpoints],
         "averaged": len(checkpoints) > 1,
         "model_path": str(Path(model_path).resolve()),
-        "beam": beam,
-        "lenpen": lenpen,
+        "beam": generation["beam"],
+        "lenpen": generation["lenpen"],
+        "generation": generation,
         "generate_command": shlex.join(command),
         "generate_output": str(output.resolve()),
         "bleu": result.bleu,
         "bleu_line": result.bleu_line,
-        "sacrebleu": sacre,
-        "sacrebleu_signature": signature,
+        **sacre,
         "sacrebleu_tokenize": tokenize,
         "sacrebleu_references": reference_kind,
         "compound_split_bleu": split_bleu,
@@ -358,6 +460,9 @@ def summary_table(results: dict, output: Path) -> str:
         ("BLEU (fairseq, tokenized)", f"{results['bleu']:.2f}"),
         ("sacreBLEU (detokenized)", f"{results['sacrebleu']:.2f}  {results['sacrebleu_signature']}"),
     ]
+    if results.get("lowercase_reason"):
+        rows.append(("sacreBLEU case-sensitive", f"{results['sacrebleu_case_sensitive']:.2f}  "
+                                                 f"{results['sacrebleu_case_sensitive_signature']}"))
     if results["compound_split_bleu"] is not None:
         rows.append(("compound-split BLEU", f"{results['compound_split_bleu']:.2f}"))
     rows.append(("results", str(output)))
@@ -374,7 +479,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
         description="Average checkpoints, translate a data-bin split with fairseq-generate (beam 5, "
                     "--remove-bpe), check every sentence was translated, and write tokenized BLEU, "
                     "detokenized sacreBLEU and optionally compound-split BLEU to a JSON file. "
-                    "Arguments after '--' go to fairseq-generate unchanged (e.g. -- --max-len-b 200).",
+                    "Arguments after '--' go to fairseq-generate unchanged (e.g. -- --max-len-b 200) and "
+                    "override --beam/--lenpen; the JSON records the generation options fairseq-generate "
+                    "ran with (\"beam\", \"lenpen\" and all of them in \"generation\").",
     )
     p.add_argument("data", metavar="DATA", help="the fairseq data-bin directory the model was trained on")
     which = p.add_mutually_exclusive_group(required=True)
@@ -394,8 +501,10 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--subset", "--gen-subset", default="test", help="data-bin split to translate (default: test)")
     p.add_argument("--source-lang", help="source language (default: read from the data-bin file names)")
     p.add_argument("--target-lang", help="target language (default: read from the data-bin file names)")
-    p.add_argument("--beam", type=int, default=5, help="beam size (default: 5, the paper's)")
-    p.add_argument("--lenpen", type=float, default=1.0, help="length penalty of the beam search (default: 1.0)")
+    p.add_argument("--beam", type=int, default=5,
+                   help="beam size (default: 5, the paper's; a --beam after '--' overrides it)")
+    p.add_argument("--lenpen", type=float, default=1.0,
+                   help="length penalty of the beam search (default: 1.0; a --lenpen after '--' overrides it)")
     p.add_argument("--batch-size", type=int, default=128, help="sentences per generation batch (default: 128)")
     p.add_argument("--max-tokens", type=int, help="tokens per generation batch (default: no limit)")
     p.add_argument("--compound-split", action="store_true",
@@ -405,8 +514,16 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         "(default: the Moses-detokenized T- lines of fairseq-generate)")
     p.add_argument("--sacrebleu-tokenize", metavar="TOK",
                    help="sacreBLEU tokenizer (default: zh when the target language is zh, else 13a)")
+    p.add_argument("--case-sensitive", action="store_true",
+                   help="always score sacreBLEU case-sensitively. By default, when the hypotheses are all "
+                        "lower case and the references are not (a system trained on lower-cased data, as "
+                        "the Multi30k and IWSLT recipes make, against true-case --references), sacreBLEU is "
+                        "case-insensitive (lowercase=True, case:lc in its signature), the JSON says so in "
+                        "\"lowercase\" and \"lowercase_reason\", and the case-sensitive score is kept in "
+                        "\"sacrebleu_case_sensitive\"")
     p.add_argument("--cpu", action="store_true", help="generate on CPU (also the default without CUDA)")
-    p.add_argument("--output", metavar="FILE", help="results JSON (default: WORK_DIR/results.json)")
+    p.add_argument("--output", metavar="FILE",
+                   help="results JSON file (default: WORK_DIR/results.json; a directory is refused)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="folder for averaged.pt and generate-SUBSET.txt (default: OUTPUT's name + '.work' next "
                         "to --output, else evaluation/ under the checkpoint directory)")
@@ -449,6 +566,7 @@ def evaluate(argv: List[str]) -> int:
     parser = evaluate_parser()
     args = parser.parse_args(argv)
     try:
+        _refuse_directory_output(args.output)  # before any work; a folder is never replaced
         checkpoints = _select_checkpoints(args, parser)
         work_dir, output = _default_paths(args, checkpoints)
         results = evaluate_checkpoints(
@@ -457,6 +575,7 @@ def evaluate(argv: List[str]) -> int:
             references=Path(args.references) if args.references else None,
             sacrebleu_tokenize=args.sacrebleu_tokenize, cpu=args.cpu, work_dir=work_dir,
             extra_generate_args=extra, log=print, source_lang=args.source_lang, target_lang=args.target_lang,
+            case_sensitive=args.case_sensitive,
         )
         write_json_atomically(results, output)
     except AnalysisError as e:

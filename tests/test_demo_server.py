@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,30 +33,37 @@ def serve_command(checkpoint, data, *extra):
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints, multi30k_bin):
-    """A running ``fairseq-modattn serve`` of the tiny DMA model: its base URL."""
+    """A running ``fairseq-modattn serve`` of the tiny DMA model: its base URL. Stopped with
+    SIGTERM (SIGINT is ignored when the suite runs as a background job of a shell script), and
+    killed on every other path."""
     # --max-len-b 40: the tiny model repeats a word up to the length limit; 200-token answers
     # would only make the load test slower
     proc = subprocess.Popen(serve_command(tiny_checkpoints["dma"], multi30k_bin, "--max-len-b", "40"),
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=cli_environment())
-    lines = []
-    deadline = time.monotonic() + 180
-    url = None
-    while time.monotonic() < deadline and url is None:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        found = re.search(r"serving on (http://127\.0\.0\.1:\d+/)", line)
-        url = found.group(1) if found else None
-    if url is None:
-        proc.kill()
-        pytest.fail("the server did not start:\n" + "".join(lines))
-    yield url
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, rest
-    assert "stopped" in rest
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        url = None
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            found = re.search(r"serving on (http://127\.0\.0\.1:\d+/)", line)
+            url = found.group(1) if found else None
+        if url is None:
+            pytest.fail("the server did not start:\n" + "".join(lines))
+        yield url
+        proc.terminate()
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "stopped" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
 
 
 def post(url, text, timeout=120):

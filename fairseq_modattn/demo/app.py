@@ -9,9 +9,10 @@
                          (``translator.Translator.translate``)
 
 Errors are JSON ``{"error": message}``: 400 for a body that is not a JSON object with a string
-``text``, or text with nothing to translate; 413 for text over ``--max-chars`` characters or over
-the model's source positions (and for bodies too large to hold such text); 404 / 405 for other
-paths and methods; 500 (logged with its traceback) for a failure inside the model.
+``text`` (JSON nested too deeply for Python's parser included), or text with nothing to
+translate; 413 for text over ``--max-chars`` characters or over the model's source positions
+(and for bodies too large to hold such text); 404 / 405 for other paths and methods; 500
+(logged with its traceback) for a failure inside the model.
 
 The translator serialises its work with a lock (the hooks and the models' "last forward"
 state belong to one sentence at a time), so the threaded server answers concurrent requests
@@ -61,7 +62,10 @@ def create_app(translator: Translator) -> Flask:
 
     @app.post("/translate")
     def translate():
-        body = request.get_json(silent=True)
+        try:
+            body = request.get_json(silent=True)  # silent: None for a body that is not JSON
+        except RecursionError:  # valid JSON nested deeper than Python's recursion limit (~1000)
+            return error("the JSON body is nested too deeply; send a JSON object {\"text\": \"...\"}", 400)
         if not isinstance(body, dict) or "text" not in body:
             return error('send a JSON object {"text": "..."} with Content-Type: application/json', 400)
         try:

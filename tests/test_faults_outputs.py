@@ -85,6 +85,12 @@ def test_output_path_that_is_a_directory_is_refused_and_kept(tmp_path, capsys):
     rc = main(["evaluate", str(tmp_path / "no-data"), "--checkpoint-dir", str(ck), "--num-update-checkpoints",
                "3", "--output", str(out)])
     one_line_error(capsys, rc, "fairseq-modattn evaluate: error: --output", str(out), "is a directory")
+    default_output = ck / "evaluation" / "results.json"  # evaluate's default, WORK_DIR/results.json
+    default_output.mkdir(parents=True)
+    (default_output / "keep.txt").write_text("mine\n")
+    rc = main(["evaluate", str(tmp_path / "no-data"), "--checkpoint-dir", str(ck), "--num-update-checkpoints", "3"])
+    one_line_error(capsys, rc, "fairseq-modattn evaluate: error: --output", str(default_output), "is a directory")
+    assert (default_output / "keep.txt").read_text() == "mine\n"
     ckpt = str(ck / "checkpoint_11_110.pt")
     rc = main(["redundancy", str(tmp_path / "no-data"), "--path", ckpt, "--output", str(out)])
     one_line_error(capsys, rc, "fairseq-modattn redundancy: error: --output", str(out), "is a directory")

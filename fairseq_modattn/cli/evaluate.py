@@ -569,6 +569,11 @@ def evaluate(argv: List[str]) -> int:
         _refuse_directory_output(args.output)  # before any work; a folder is never replaced
         checkpoints = _select_checkpoints(args, parser)
         work_dir, output = _default_paths(args, checkpoints)
+        _refuse_directory_output(output)  # the default WORK_DIR/results.json too
+        if len(checkpoints) > 1:
+            _refuse_directory_output(work_dir / "averaged.pt", "the averaged model")
+        if work_dir.exists() and not work_dir.is_dir():
+            raise AnalysisError(f"--work-dir {work_dir} is a file; give a folder")
         results = evaluate_checkpoints(
             args.data, checkpoints, subset=args.subset, beam=args.beam, batch_size=args.batch_size,
             max_tokens=args.max_tokens, lenpen=args.lenpen, compound_split=args.compound_split,

@@ -23,6 +23,7 @@ from fairseq_modattn.models.tim_transformer import (
     tim_layer_params,
 )
 from fairseq_modattn.modules import TIMDecoderLayer, TIMEncoderLayer
+from fairseq_modattn.modules.tim_layer import InterMechanismAttention
 
 
 def make_cfg(embed=16, heads=4, ffn=32, normalize_before=False):
@@ -103,24 +104,34 @@ def naive_position_attention(attn, x, n, keys=None, key_padding=None, causal=Fal
     return outs
 
 
+def naive_inter_mechanism_attention(ima, h, n, d):
+    """Step 3 without residual and norm: Q = GroupLinear(h, W^Q_3, n_s) etc. (per-mechanism: mechanism
+    j's own block of each weight; shared: one map for all), H_c heads of d_K units, softmax over the
+    key mechanisms at every position, then mechanism i's output projection."""
+    hc, dc = ima.num_heads, ima.head_dim
+
+    def proj(lin, inp, j):
+        return group_linear(lin, inp, j) if ima.projection == "per-mechanism" else lin(inp)
+
+    keys = [proj(ima.k_proj, part(h, j, d), j) for j in range(n)]
+    values = [proj(ima.v_proj, part(h, j, d), j) for j in range(n)]
+    new = []
+    for i in range(n):
+        qi = proj(ima.q_proj, part(h, i, d), i)
+        head_outs = []
+        for a in range(hc):
+            scores = torch.stack([(part(qi, a, dc) * part(keys[j], a, dc)).sum(-1) for j in range(n)], -1)
+            w = torch.softmax(scores / math.sqrt(dc), dim=-1)
+            head_outs.append(sum(w[..., j:j + 1] * part(values[j], a, dc) for j in range(n)))
+        new.append(proj(ima.out_proj, torch.cat(head_outs, -1), i))
+    return torch.cat(new, -1)
+
+
 def naive_communication_and_ffn(layer, h, n, d):
     """Steps 3 and 4."""
     if layer.mechanism_attn is not None:
-        ima = layer.mechanism_attn
-        hc = ima.num_heads
-        dc = d // hc
-        keys = [ima.k_proj(part(h, j, d)) for j in range(n)]
-        values = [ima.v_proj(part(h, j, d)) for j in range(n)]
-        new = []
-        for i in range(n):
-            qi = ima.q_proj(part(h, i, d))
-            head_outs = []
-            for a in range(hc):
-                scores = torch.stack([(part(qi, a, dc) * part(keys[j], a, dc)).sum(-1) for j in range(n)], -1)
-                w = torch.softmax(scores / math.sqrt(dc), dim=-1)
-                head_outs.append(sum(w[..., j:j + 1] * part(values[j], a, dc) for j in range(n)))
-            new.append(ima.out_proj(torch.cat(head_outs, -1)))
-        h = group_norm(layer.mechanism_attn_layer_norm, h + torch.cat(new, -1), n, d)
+        new = naive_inter_mechanism_attention(layer.mechanism_attn, h, n, d)
+        h = group_norm(layer.mechanism_attn_layer_norm, h + new, n, d)
     ffn = [group_linear(layer.fc2, torch.relu(group_linear(layer.fc1, part(h, j, d), j)), j) for j in range(n)]
     return group_norm(layer.final_layer_norm, h + torch.cat(ffn, -1), n, d)
 
@@ -153,10 +164,13 @@ def naive_tim_decoder(layer, x, enc, enc_padding, target_padding):
 @pytest.mark.parametrize("competition", [True, False])
 @pytest.mark.parametrize("mechanism_attention", [True, False])
 @pytest.mark.parametrize("mechanisms, mech_heads", [(2, 2), (4, 1)])
-def test_encoder_layer_equals_naive_algorithm_1(competition, mechanism_attention, mechanisms, mech_heads):
+@pytest.mark.parametrize("projection, head_dim", [("per-mechanism", 32), ("per-mechanism", 3), ("shared", None)])
+def test_encoder_layer_equals_naive_algorithm_1(competition, mechanism_attention, mechanisms, mech_heads,
+                                                projection, head_dim):
     layer = randomise(TIMEncoderLayer(make_cfg(), num_mechanisms=mechanisms, mechanism_attention_heads=mech_heads,
                                       competition=competition, mechanism_attention=mechanism_attention,
-                                      ffn_embed_dim=24))
+                                      ffn_embed_dim=24, mechanism_attention_head_dim=head_dim,
+                                      mechanism_attention_projection=projection))
     x, padding = padded_batch()
     with torch.no_grad():
         out = layer(x, padding)
@@ -165,9 +179,11 @@ def test_encoder_layer_equals_naive_algorithm_1(competition, mechanism_attention
 
 
 @pytest.mark.parametrize("competition, mechanism_attention", [(True, True), (False, False)])
-def test_decoder_layer_equals_naive_reference(competition, mechanism_attention):
+@pytest.mark.parametrize("projection", ["per-mechanism", "shared"])
+def test_decoder_layer_equals_naive_reference(competition, mechanism_attention, projection):
     layer = randomise(TIMDecoderLayer(make_cfg(), num_mechanisms=2, competition=competition,
-                                      mechanism_attention=mechanism_attention))
+                                      mechanism_attention=mechanism_attention,
+                                      mechanism_attention_projection=projection))
     y, target_padding = padded_batch(length=5, seed=2)
     enc, source_padding = padded_batch(length=7, seed=3)
     causal = torch.triu(utils.fill_with_neg_inf(torch.zeros(5, 5)), 1)
@@ -234,6 +250,124 @@ def test_one_mechanism_decoder_layer_is_fairseq_decoder_layer(normalize_before):
     standard.make_generation_fast_()
     with torch.no_grad():
         assert tim(y, enc, **kwargs)[1] is None and standard(y, enc, **kwargs)[1] is None
+
+
+# ----------------------------------------------------------------------------- step 3 per mechanism
+def make_inter(n=3, d=8, heads=2, head_dim=5, projection="per-mechanism", seed=0):
+    ima = InterMechanismAttention(d, heads, num_mechanisms=n, head_dim=head_dim, projection=projection)
+    return randomise(ima, seed=seed)
+
+
+def test_inter_mechanism_projections_are_per_mechanism_group_linear_blocks():
+    n, d, heads, head_dim = 3, 8, 2, 5
+    ima = make_inter(n, d, heads, head_dim)
+    W = heads * head_dim
+    shapes = {name: tuple(p.shape) for name, p in ima.named_parameters()}
+    assert shapes == {
+        "q_proj.weight": (n, d, W), "q_proj.bias": (n, W),
+        "k_proj.weight": (n, d, W), "k_proj.bias": (n, W),
+        "v_proj.weight": (n, d, W), "v_proj.bias": (n, W),
+        "out_proj.weight": (n, W, d), "out_proj.bias": (n, d),
+    }
+    # the paper's default width: 2 heads of 32 units whatever d_m
+    layer = TIMEncoderLayer(make_cfg(), num_mechanisms=2)
+    assert (layer.mechanism_attn.num_heads, layer.mechanism_attn.head_dim) == (2, 32)
+    assert layer.mechanism_attn.q_proj.weight.shape == (2, 8, 64)
+    assert layer.mechanism_attn.out_proj.weight.shape == (2, 64, 8)
+
+
+def test_changing_mechanism_1s_query_weights_changes_only_mechanism_1s_query():
+    """Mechanism i's output reads q_i and out_i (its own blocks) and every mechanism's k_j, v_j:
+    changing mechanism 1's query or output weights leaves mechanism 0's output exactly unchanged,
+    while changing mechanism 1's key or value weights reaches mechanism 0 through the attention."""
+    n, d = 3, 8
+    ima = make_inter(n, d)
+    torch.manual_seed(3)
+    x = torch.randn(4, 2, n * d)
+    with torch.no_grad():
+        base = ima(x)
+        for proj, reaches_0 in (("q_proj", False), ("out_proj", False), ("k_proj", True), ("v_proj", True)):
+            changed = make_inter(n, d)
+            getattr(changed, proj).weight[1].add_(torch.randn_like(getattr(changed, proj).weight[1]))
+            out = changed(x)
+            assert not torch.allclose(part(out, 1, d), part(base, 1, d), atol=1e-3), proj
+            delta0 = (part(out, 0, d) - part(base, 0, d)).abs().max().item()
+            delta2 = (part(out, 2, d) - part(base, 2, d)).abs().max().item()
+            if reaches_0:
+                assert delta0 > 1e-3 and delta2 > 1e-3, proj
+            else:
+                assert delta0 == 0.0 and delta2 == 0.0, (proj, delta0, delta2)
+        # the query itself: mechanism 0's is a function of its slice and its own block only
+        q = torch.baddbmm(ima.q_proj.bias.unsqueeze(1), x.reshape(-1, n, d).transpose(0, 1), ima.q_proj.weight)
+        changed = make_inter(n, d)
+        changed.q_proj.weight[1].mul_(2.0)
+        q2 = torch.baddbmm(changed.q_proj.bias.unsqueeze(1), x.reshape(-1, n, d).transpose(0, 1), changed.q_proj.weight)
+        assert torch.equal(q[0], q2[0]) and not torch.equal(q[1], q2[1])
+    # the shared form has no per-mechanism weights: its query change reaches every mechanism
+    shared = make_inter(n, d, projection="shared")
+    with torch.no_grad():
+        base = shared(x)
+        shared.q_proj.weight.add_(torch.randn_like(shared.q_proj.weight))
+        assert not torch.allclose(part(shared(x), 0, d), part(base, 0, d), atol=1e-3)
+
+
+@pytest.mark.parametrize("n, heads, head_dim", [(2, 2, 32), (3, 2, 5), (4, 3, 4), (2, 1, 8)])
+def test_inter_mechanism_attention_equals_naive_step_3_in_double(n, heads, head_dim):
+    d = 8
+    ima = make_inter(n, d, heads, head_dim).double()
+    torch.manual_seed(5)
+    x = torch.randn(5, 3, n * d, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ima(x), naive_inter_mechanism_attention(ima, x, n, d), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("competition", [True, False])
+@pytest.mark.parametrize("mechanisms, heads, head_dim", [(2, 2, 32), (4, 2, 3)])
+def test_whole_encoder_layer_equals_naive_algorithm_1_in_double(competition, mechanisms, heads, head_dim):
+    layer = randomise(TIMEncoderLayer(make_cfg(), num_mechanisms=mechanisms, mechanism_attention_heads=heads,
+                                      mechanism_attention_head_dim=head_dim, competition=competition,
+                                      ffn_embed_dim=24)).double()
+    x, padding = padded_batch()
+    x = x.double()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, padding), naive_tim_encoder(layer, x, padding), rtol=1e-11, atol=1e-11)
+
+
+def old_shared_inter_mechanism_attention(ima, x):
+    """The forward of InterMechanismAttention before 2026-11-25 (one nn.Linear(d_m, d_m) each for
+    q, k, v, out, shared by all mechanisms; d_m / H_c units per head), kept verbatim in substance."""
+    lead, width = x.shape[:-1], x.size(-1)
+    n = width // ima.mechanism_dim
+    hd = ima.mechanism_dim // ima.num_heads
+    tokens = x.reshape(-1, n, ima.mechanism_dim)
+    weight = torch.cat([ima.q_proj.weight, ima.k_proj.weight, ima.v_proj.weight])
+    bias = torch.cat([ima.q_proj.bias, ima.k_proj.bias, ima.v_proj.bias])
+    qkv = F.linear(tokens, weight, bias).view(-1, n, 3, ima.num_heads, hd)
+    q, k, v = qkv.unbind(2)
+    scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) * hd ** -0.5
+    weights = torch.softmax(scores, dim=2)
+    out = (weights.unsqueeze(-1) * v.unsqueeze(1)).sum(2)
+    return ima.out_proj(out.reshape(-1, n, ima.mechanism_dim)).reshape(*lead, width)
+
+
+def test_shared_form_is_the_earlier_layer():
+    n, d = 2, 8
+    ima = make_inter(n, d, heads=2, head_dim=None, projection="shared")
+    assert {name: tuple(p.shape) for name, p in ima.named_parameters()} == {
+        "q_proj.weight": (d, d), "q_proj.bias": (d,), "k_proj.weight": (d, d), "k_proj.bias": (d,),
+        "v_proj.weight": (d, d), "v_proj.bias": (d,), "out_proj.weight": (d, d), "out_proj.bias": (d,)}
+    torch.manual_seed(4)
+    x = torch.randn(5, 3, n * d)
+    with torch.no_grad():
+        torch.testing.assert_close(ima(x), old_shared_inter_mechanism_attention(ima, x), rtol=1e-6, atol=1e-6)
+
+
+def test_inter_mechanism_attention_configuration_errors():
+    with pytest.raises(ValueError, match="--tim-mechanism-attention-projection"):
+        InterMechanismAttention(8, 2, num_mechanisms=2, projection="dense")
+    with pytest.raises(ValueError, match="--tim-mechanism-attention-heads"):
+        InterMechanismAttention(8, 3, num_mechanisms=2, head_dim=None)
+    InterMechanismAttention(8, 3, num_mechanisms=2, head_dim=32)  # d_K need not divide d_m
 
 
 # ----------------------------------------------------------------------------- mechanisms
@@ -322,7 +456,8 @@ def test_gradcheck_tiny_layers_in_double():
     from torch.func import functional_call
 
     cfg = make_cfg(embed=4, heads=2, ffn=4)
-    layer = randomise(TIMEncoderLayer(cfg, num_mechanisms=2, mechanism_attention_heads=1)).double()
+    layer = randomise(TIMEncoderLayer(cfg, num_mechanisms=2, mechanism_attention_heads=2,
+                                      mechanism_attention_head_dim=3)).double()
     names = [name for name, _ in layer.named_parameters()]
     params = tuple(p.detach().clone().requires_grad_(True) for p in layer.parameters())
     torch.manual_seed(0)
@@ -334,7 +469,8 @@ def test_gradcheck_tiny_layers_in_double():
 
     assert torch.autograd.gradcheck(encoder, (x, *params))
 
-    decoder = randomise(TIMDecoderLayer(cfg, num_mechanisms=2, mechanism_attention_heads=1)).double()
+    decoder = randomise(TIMDecoderLayer(cfg, num_mechanisms=2, mechanism_attention_heads=2,
+                                        mechanism_attention_head_dim=3)).double()
     y = torch.randn(2, 2, 4, dtype=torch.double, requires_grad=True)
     causal = torch.triu(utils.fill_with_neg_inf(torch.zeros(2, 2, dtype=torch.double)), 1)
     assert torch.autograd.gradcheck(
@@ -472,29 +608,32 @@ def test_parameter_count_of_tim_transformer_iwslt_de_en_by_hand():
     ffn = (D * F_ + F_) + (F_ * D + D)
     standard_encoder = attention + norm + ffn + norm  # 2,102,784
     standard_decoder = attention + norm + attention + norm + ffn + norm  # 3,154,432
+    W = 2 * 32  # inter-mechanism attention: H_c = 2 heads of d_K = 32 units (the paper)
     tim_encoder = (
         4 * (n * d * d + D)  # grouped q, k, v, out: n blocks of d x d
         + norm
         + (n * d * 1 + n)  # competition GroupLinear(n, d, 1)
-        + 4 * (d * d + d) + norm  # inter-mechanism attention Linear(d, d) x 4, its norm
+        + 3 * (n * d * W + n * W) + (n * W * d + D)  # inter-mechanism q, k, v: GroupLinear(n, d, W); out (n, W, d)
+        + norm
         + (n * d * (F_ // n) + F_) + (n * (F_ // n) * d + D)  # grouped FFN
         + norm
-    )  # 1,318,914
-    assert (standard_encoder, standard_decoder, tim_encoder) == (2_102_784, 3_154_432, 1_318_914)
+    )  # 1,187,714
+    assert (standard_encoder, standard_decoder, tim_encoder) == (2_102_784, 3_154_432, 1_187_714)
     # encoder layers 2, 3, 4 are TIM ('auto'); the decoder is standard
     expected = embeddings + 3 * standard_encoder + 3 * tim_encoder + 6 * standard_decoder
-    assert count(model) == expected == 29_351_430
+    assert count(model) == expected == 28_957_830
 
 
-@pytest.mark.parametrize("arch, baseline, tim_ffn", [
-    ("tim_transformer_iwslt_de_en_matched", "transformer_iwslt_de_en", 2552),
-    ("tim_transformer_wmt_en_de_matched", "transformer_wmt_en_de", 4598),
+@pytest.mark.parametrize("arch, baseline, tim_ffn, counts", [
+    ("tim_transformer_iwslt_de_en_matched", "transformer_iwslt_de_en", 2808, (31_703_406, 31_703_040)),
+    ("tim_transformer_wmt_en_de_matched", "transformer_wmt_en_de", 4854, (44_298_600, 44_298_240)),
 ])
-def test_matched_presets_have_the_transformers_parameter_count(arch, baseline, tim_ffn):
+def test_matched_presets_have_the_transformers_parameter_count(arch, baseline, tim_ffn, counts):
     vocab = fixed_dictionary(100)
     task = TranslationTask(TranslationConfig(), vocab, vocab)
     matched, reference = task.build_model(parse(arch)), task.build_model(parse(baseline))
     assert all(layer.ffn_embed_dim == tim_ffn for layer in matched.tim_layers().values())
+    assert (count(matched), count(reference)) == counts  # the numbers in models/tim_transformer.py
     assert abs(count(matched) - count(reference)) / count(reference) < 0.005
     # in fact per layer within one FFN block of the standard layer
     for name, layer in matched.tim_layers().items():
@@ -507,23 +646,38 @@ def test_matched_presets_have_the_transformers_parameter_count(arch, baseline, t
 
 @pytest.mark.parametrize("competition", [True, False])
 @pytest.mark.parametrize("mechanism_attention", [True, False])
-def test_parameter_formulas_match_built_layers(competition, mechanism_attention):
+@pytest.mark.parametrize("projection, head_dim", [("per-mechanism", 32), ("per-mechanism", 3), ("shared", 0),
+                                                  ("shared", 5)])
+def test_parameter_formulas_match_built_layers(competition, mechanism_attention, projection, head_dim):
     flags = (["--tim-no-competition"] if not competition else []) + (
         ["--tim-no-mechanism-attention"] if not mechanism_attention else [])
     model, _ = build("--tim-encoder-layers", "all", "--tim-decoder-layers", "all", "--tim-mechanisms", "4",
                      "--tim-mechanism-attention-heads", "2", "--tim-ffn-embed-dim", "48",
+                     "--tim-mechanism-attention-projection", projection,
+                     "--tim-mechanism-attention-head-dim", str(head_dim),
                      "--decoder-embed-dim", "32", "--decoder-attention-heads", "8", *flags)
+    inter = dict(mechanism_attention_heads=2, mechanism_attention_head_dim=head_dim,
+                 mechanism_attention_projection=projection)
     enc, dec = model.encoder.layers[0], model.decoder.layers[0]
-    assert count(enc) == tim_layer_params(16, 48, 4, competition, mechanism_attention)
-    assert count(dec) == tim_layer_params(32, 48, 4, competition, mechanism_attention, decoder=True, encoder_dim=16)
+    if mechanism_attention:
+        assert enc.mechanism_attn.projection == projection
+        assert enc.mechanism_attn.head_dim == (head_dim or 16 // 4 // 2)
+    assert count(enc) == tim_layer_params(16, 48, 4, competition, mechanism_attention, **inter)
+    assert count(dec) == tim_layer_params(32, 48, 4, competition, mechanism_attention, decoder=True, encoder_dim=16,
+                                          **inter)
     plain, _ = build(arch="transformer", seed=0)
     assert count(plain.encoder.layers[0]) == standard_layer_params(16, 32)
     assert count(plain.decoder.layers[0]) == standard_layer_params(16, 32, decoder=True)
-    ffn = matched_ffn_dim(16, 32, 4, competition, mechanism_attention)
+    ffn = matched_ffn_dim(16, 32, 4, competition, mechanism_attention, **inter)
     assert ffn % 4 == 0
-    best = min(range(4, 400, 4), key=lambda f: abs(tim_layer_params(16, f, 4, competition, mechanism_attention)
-                                                     - standard_layer_params(16, 32)))
+    best = min(range(4, 400, 4), key=lambda f: abs(tim_layer_params(16, f, 4, competition, mechanism_attention,
+                                                                     **inter) - standard_layer_params(16, 32)))
     assert ffn == best
+    # and --tim-match-params builds that width with these inter-mechanism settings
+    matched, _ = build("--tim-encoder-layers", "all", "--tim-mechanisms", "4", "--tim-mechanism-attention-heads", "2",
+                       "--tim-mechanism-attention-projection", projection,
+                       "--tim-mechanism-attention-head-dim", str(head_dim), "--tim-match-params", *flags)
+    assert matched.encoder.layers[0].ffn_embed_dim == ffn
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -532,6 +686,7 @@ def test_architecture_defaults_and_overrides():
     assert (args.tim_mechanisms, args.tim_encoder_layers, args.tim_decoder_layers) == (2, "auto", "none")
     assert (args.tim_mechanism_attention_heads, args.tim_no_competition, args.tim_no_mechanism_attention) == (
         2, False, False)
+    assert (args.tim_mechanism_attention_head_dim, args.tim_mechanism_attention_projection) == (32, "per-mechanism")
     assert args.tim_ffn_embed_dim is None and args.tim_match_params is False
     assert (args.encoder_embed_dim, args.encoder_ffn_embed_dim, args.encoder_attention_heads) == (512, 1024, 4)
     assert parse("tim_transformer_wmt_en_de_matched").tim_match_params is True
@@ -543,7 +698,7 @@ def test_every_tim_flag_has_help_text():
     parser = argparse.ArgumentParser()
     TIMTransformerModel.add_args(parser)
     flags = [a for a in parser._actions if any(s.startswith("--tim-") for s in a.option_strings)]
-    assert len(flags) == 8
+    assert len(flags) == 10
     assert all(a.help for a in flags)
     assert all(a.default in (None, False) for a in flags)  # defaults come from the architectures
 
@@ -554,7 +709,10 @@ def test_every_tim_flag_has_help_text():
     (("--tim-mechanisms", "8"), "--encoder-attention-heads"),
     (("--tim-decoder-layers", "0", "--decoder-attention-heads", "2", "--tim-mechanisms", "4"),
      "--decoder-attention-heads"),
-    (("--tim-mechanism-attention-heads", "3"), "--tim-mechanism-attention-heads"),
+    (("--tim-mechanism-attention-heads", "0"), "--tim-mechanism-attention-heads"),
+    (("--tim-mechanism-attention-heads", "3", "--tim-mechanism-attention-head-dim", "0"),
+     "--tim-mechanism-attention-heads"),
+    (("--tim-mechanism-attention-head-dim", "-1"), "--tim-mechanism-attention-head-dim"),
     (("--tim-ffn-embed-dim", "33"), "--tim-ffn-embed-dim"),
     (("--tim-encoder-layers", "4"), "--tim-encoder-layers"),
     (("--tim-encoder-layers", "1,x"), "--tim-encoder-layers"),
@@ -569,3 +727,55 @@ def test_bad_configuration_names_the_flag(flags, message):
 def test_beam_search_shares_encoder_keys_among_beams_exactly():
     model, vocab = build("--tim-decoder-layers", "auto", "--decoder-layers", "4")
     check_beam_shared_keys_are_exact(model, vocab)
+
+
+# ----------------------------------------------------------------------------- old checkpoints
+def old_checkpoint_args(arch, *extra):
+    """Args as saved before 2026-11-25: the architecture function had set every TIM arg then, and
+    the two inter-mechanism flags did not exist (we build with them, then delete them)."""
+    args = parse(arch, *TINY, "--tim-mechanism-attention-projection", "shared",
+                 "--tim-mechanism-attention-head-dim", "0", *extra)
+    del args.tim_mechanism_attention_projection, args.tim_mechanism_attention_head_dim
+    return args
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("tim_transformer", ("--tim-decoder-layers", "1")),
+    ("tim_transformer_iwslt_de_en_matched", ()),  # the matched FFN width depends on the form
+])
+def test_checkpoint_saved_before_per_mechanism_attention_loads(tmp_path, arch, extra):
+    from fairseq import checkpoint_utils
+
+    vocab = fixed_dictionary(20)
+    task = TranslationTask(TranslationConfig(), vocab, vocab)
+    args = old_checkpoint_args(arch, *extra)
+    torch.manual_seed(0)
+    old = task.build_model(old_checkpoint_args(arch, *extra)).eval()
+    layer = old.encoder.layers[2]
+    assert layer.mechanism_attn.projection == "shared" and layer.mechanism_attn.q_proj.weight.shape == (8, 8)
+    path = tmp_path / "checkpoint_old.pt"
+    checkpoint_utils.torch_persistent_save(
+        {"args": args, "model": old.state_dict(), "extra_state": {},
+         "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "adam",
+                                "lr_scheduler_state": {}, "num_updates": 0}]}, str(path))
+    (loaded,), _ = checkpoint_utils.load_model_ensemble([str(path)], task=task)
+    loaded.eval()
+    assert loaded.encoder.layers[2].mechanism_attn.projection == "shared"
+    assert loaded.encoder.layers[2].ffn_embed_dim == layer.ffn_embed_dim
+    torch.manual_seed(1)
+    src = torch.randint(4, len(vocab), (2, 5))
+    prev = torch.randint(4, len(vocab), (2, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(src, torch.tensor([5, 5]), prev)[0], old(src, torch.tensor([5, 5]), prev)[0])
+    # a new command line (per-mechanism by default) refuses the old weights, naming the flags
+    new, _ = build(*extra, arch=arch)
+    with pytest.raises(ValueError, match="--tim-mechanism-attention-projection shared "
+                                         "--tim-mechanism-attention-head-dim 0"):
+        new.load_state_dict(old.state_dict())
+
+
+def test_new_checkpoint_args_keep_the_per_mechanism_form():
+    args = parse("tim_transformer", *TINY)
+    from fairseq_modattn.models.tim_transformer import tim_base_architecture
+    tim_base_architecture(args)  # as fairseq does again when it loads a checkpoint
+    assert (args.tim_mechanism_attention_projection, args.tim_mechanism_attention_head_dim) == ("per-mechanism", 32)

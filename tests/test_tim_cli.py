@@ -45,7 +45,7 @@ def test_train_prints_the_hand_computed_parameter_count(multi30k_bin, trained):
     expected = (
         3 * vocab * EMBED  # encoder / decoder embeddings and the (unshared) output projection
         + 3 * standard_layer_params(EMBED, FFN)  # encoder layers 0, 1, 3
-        + tim_layer_params(EMBED, FFN, 2)  # encoder layer 2 (auto): 2 mechanisms, H_c = 2
+        + tim_layer_params(EMBED, FFN, 2)  # encoder layer 2 (auto): 2 mechanisms, per-mechanism step 3, 2 x 32
         + standard_layer_params(EMBED, FFN, decoder=True)  # decoder layer 0
         + tim_layer_params(EMBED, FFN, 2, decoder=True)  # decoder layer 1
     )

@@ -7,9 +7,11 @@ mechanism j = h[..., j*d_m:(j+1)*d_m]. One TIM encoder layer (post-norm, as the 
     Step 1, competition:          c = softmax_j(W^c_j h_j)                  (W^c = GroupLinear(d_m -> 1))
     Step 2, mechanism attention:  M_j = MHA_j(h_j, h_j, h_j)                (heads of mechanism j only)
                                   h_j = norm_j(h_j + c_j * M_j)
-    Step 3, inter-mechanism att.: h~_i = sum_j softmax_j(q(h_i) k(h_j)^T / sqrt(d)) v(h_j)
-                                  (per position, over the n_s mechanisms, H_c heads, q/k/v/out
-                                  shared by all mechanisms), h = norm(h + out(h~))
+    Step 3, inter-mechanism att.: h~_i = sum_j softmax_j(q_i(h_i) k_j(h_j)^T / sqrt(d_K)) v_j(h_j)
+                                  (per position, over the n_s mechanisms, H_c heads of d_K
+                                  units; q_j/k_j/v_j: d_m -> H_c d_K and out_i: H_c d_K -> d_m
+                                  are mechanism j's / i's own GroupLinear blocks),
+                                  h_i = norm_i(h_i + out_i(h~_i))
     Step 4, mechanism-wise FFN:   h_j = norm_j(h_j + W2_j act(W1_j h_j))
 
 where every "norm" normalises each mechanism's slice separately (``GroupLayerNorm``) and every
@@ -28,6 +30,38 @@ from context at a position. Everything else is per position, so incremental deco
 Pre-norm (``normalize_before``) places the norms exactly where fairseq does (before each
 sub-layer, the residual taken from the un-normalised input); the competition is then computed
 from the normalised input of the mechanism attention.
+
+Step 3 against the paper and the TIM authors' fairseq fork (github.com/alexmlamb/fairseq, branch
+``mha_grouped``, class ``Attention`` in ``fairseq/modules/transformer_layer.py`` with
+``GroupLinearLayer`` from ``fairseq/modules/group_linear_layer.py``), choice by choice:
+
+* Projections per mechanism (default ``--tim-mechanism-attention-projection per-mechanism``):
+  Algorithm 1 has W^Q_3 in R^{n_s x d_m x H_c d_K} applied with GroupLinear, likewise K, V; the
+  fork's ``query_net``/``key_net``/``value_net`` are ``GroupLinearLayer(d_m, H_c d_K, n_s)``.
+  Until 2026-11-25 this package shared one ``nn.Linear(d_m, d_m)`` among the mechanisms, which
+  cannot represent the paper's layer; ``shared`` keeps that form for its checkpoints.
+* Head width (default H_c = 2, ``--tim-mechanism-attention-head-dim`` d_K = 32): the paper's
+  "2 heads with 32 units each"; the fork hard-codes ``n_heads = 2``, ``head_dim = 32`` whatever
+  the width. d_K is independent of d_m (W = H_c d_K = 64 < d_m = 256 at D = 512, n_s = 2);
+  ``--tim-mechanism-attention-head-dim 0`` gives the earlier d_K = d_m / H_c.
+* Output projection per mechanism, H_c d_K -> d_m: the fork's ``final =
+  GroupLinearLayer(H_c d_K, d_m, n_s)`` (the paper's step 3 does not spell it out).
+* Scores scaled by d_K^-1/2 and softmax over the key mechanisms, as the fork. We add the
+  layer's attention dropout on the weights (the fork has none; 0 gives its layer).
+* Residual and norm: post-norm h = norm(h + dropout(out)) with a per-mechanism layer norm (the
+  fork's ``NormLayer``: layer norm of each mechanism's slice, affine over the full width, which
+  is our ``GroupLayerNorm``). With pre-norm the fork takes the residual from the *normalised*
+  input (``x = comm_norm(x); residual = x``), unlike every other sub-layer of fairseq and of the
+  fork; we keep fairseq's pre-norm convention (residual from the un-normalised input). The
+  paper's setting, post-norm, is the same in both.
+* Initialisation: fairseq's attention initialisation per block (see ``InterMechanismAttention``),
+  not the fork's U(+-1/sqrt(n_s out)).
+* Decoder: the fork runs step 3 twice in a decoder layer (after the self-attention and after
+  the encoder-decoder attention, two modules); our decoder layers run it once, before the FFN,
+  as in the encoder (the paper defines encoder layers only).
+
+``docs/fidelity.md`` compares every step with the paper's Algorithm 1 and the authors' fork,
+with the reason for each difference.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -136,66 +170,140 @@ class InterMechanismAttention(nn.Module):
     """Attention among the n_s mechanisms of each position (Algorithm 1, step 3).
 
     At every position independently the n_s mechanism vectors (width d_m) are n_s "tokens"
-    attending to each other with ``num_heads`` (H_c) heads of width d = d_m / H_c; q/k/v/out are
-    ``nn.Linear(d_m, d_m)`` shared by all mechanisms. Input and output (..., n_s * d_m).
+    attending to each other with ``num_heads`` (H_c) heads of ``head_dim`` (d_K) units; the
+    attention width is W = H_c d_K and the output projection maps it back to d_m. Input and
+    output (..., n_s * d_m). Two forms (``projection``):
 
-    The n_s x n_s scores of all positions come from one broadcast product summed over d,
-    (N, n_s, 1, H_c, d) * (N, 1, n_s, H_c, d), and the outputs likewise (weights times values
-    summed over the key mechanism), with q, k and v from one fused (d_m -> 3 d_m) matmul. This is
-    exact attention; with n_s "tokens" per position (2 by default) the temporary holds
-    n_s^2 d_m = n_s * D numbers per position, fewer than the FFN's hidden activations for
-    n_s <= 4. A fused attention kernel is the wrong tool at sequence length n_s: measured on an
-    H100 (fp32, 4096 tokens, D = 512, n_s = 2), ``scaled_dot_product_attention`` over an
-    (N, H_c, n_s, d) layout took ~2 ms forward + backward per TIM layer, a fifth of a whole
-    transformer step; on the CPU both forms cost the same (the projections dominate).
+    * ``"per-mechanism"`` (the paper, and the default): q, k, v are ``GroupLinear(n_s, d_m, W)``
+      and out is ``GroupLinear(n_s, W, d_m)`` -- mechanism j's query, key and value come from
+      mechanism j's own weights (W^Q_3 in R^{n_s x d_m x H_c d_K}, Q = GroupLinear(h, W^Q_3, n_s),
+      likewise K and V), and mechanism i's output projection is its own. The paper gives
+      "2 heads with 32 units each" (H_c = 2, d_K = 32). Weights ``q_proj.weight`` etc. have
+      shape (n_s, d_m, W), ``out_proj.weight`` (n_s, W, d_m).
+    * ``"shared"`` (the form of this package before 2026-11-25, kept for its checkpoints): q, k, v
+      are ``nn.Linear(d_m, W)`` and out ``nn.Linear(W, d_m)``, one set for all mechanisms. With
+      ``head_dim=None`` (d_K = d_m / H_c, W = d_m) it is exactly the earlier layer.
+
+    ``head_dim=None`` means d_K = d_m / H_c in either form.
+
+    Computation (both forms): q, k and v of all mechanisms come from one fused matmul (the three
+    weights concatenated along the output dim; for the per-mechanism form one batched
+    ``baddbmm`` over the n_s blocks, as ``GroupLinear``), laid out (n_s, N, H_c, d_K) for the N
+    positions. The n_s x n_s scores of all positions come from one broadcast product summed
+    over d_K, (n_s, 1, N, H_c, d_K) * (1, n_s, N, H_c, d_K), and the outputs likewise (weights
+    times values summed over the key mechanism). This is exact attention; with n_s "tokens"
+    per position (2 by default) the temporary holds n_s^2 W numbers per position. A fused
+    attention kernel is the wrong tool at sequence length n_s: measured on an H100 (fp32, 4096
+    tokens, D = 512, n_s = 2), ``scaled_dot_product_attention`` over an (N, H_c, n_s, d) layout
+    took ~2 ms forward + backward per TIM layer, a fifth of a whole transformer step.
+
+    Initialisation as fairseq's ``MultiheadAttention`` (Xavier-uniform, gain 2^-1/2 for q/k/v,
+    1 for out, out bias zero), per mechanism block in the per-mechanism form, where the q/k/v
+    biases start at zero as in ``MechanismAttention``. (The TIM authors' fairseq fork draws
+    every weight and bias of its ``GroupLinearLayer`` from U(+-1/sqrt(n_s * out)); we keep
+    fairseq's initialisation, as for every other projection of this package.)
     """
 
-    def __init__(self, mechanism_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True):
+    PROJECTIONS = ("per-mechanism", "shared")
+
+    def __init__(self, mechanism_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 num_mechanisms: Optional[int] = None, head_dim: Optional[int] = None,
+                 projection: str = "per-mechanism"):
         super().__init__()
-        if num_heads < 1 or mechanism_dim % num_heads != 0:
+        if projection not in self.PROJECTIONS:
             raise ValueError(
-                f"--tim-mechanism-attention-heads ({num_heads}) must divide the mechanism width "
-                f"d_m = embed dim / --tim-mechanisms ({mechanism_dim})"
+                f"--tim-mechanism-attention-projection must be one of {', '.join(self.PROJECTIONS)}, "
+                f"got {projection!r}"
             )
+        if num_heads < 1:
+            raise ValueError(f"--tim-mechanism-attention-heads must be >= 1, got {num_heads}")
+        if head_dim is None:
+            if mechanism_dim % num_heads != 0:
+                raise ValueError(
+                    f"--tim-mechanism-attention-heads ({num_heads}) must divide the mechanism width "
+                    f"d_m = embed dim / --tim-mechanisms ({mechanism_dim}) when "
+                    "--tim-mechanism-attention-head-dim is 0 (d_K = d_m / H_c)"
+                )
+            head_dim = mechanism_dim // num_heads
+        if head_dim < 1:
+            raise ValueError(f"--tim-mechanism-attention-head-dim must be >= 0, got {head_dim}")
+        if projection == "per-mechanism" and (num_mechanisms is None or num_mechanisms < 1):
+            raise ValueError("the per-mechanism inter-mechanism attention needs num_mechanisms")
         self.mechanism_dim = mechanism_dim
         self.num_heads = num_heads
-        self.head_dim = mechanism_dim // num_heads
+        self.head_dim = head_dim
+        self.attn_dim = width = num_heads * head_dim
+        self.projection = projection
+        self.per_mechanism = projection == "per-mechanism"
+        self.num_mechanisms = num_mechanisms if self.per_mechanism else None
         self.dropout = dropout
-        self.q_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
-        self.k_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
-        self.v_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
-        self.out_proj = nn.Linear(mechanism_dim, mechanism_dim, bias=bias)
+        if self.per_mechanism:
+            n = num_mechanisms
+            self.q_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
+            self.k_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
+            self.v_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
+            self.out_proj = GroupLinear(n, width, mechanism_dim, bias=bias)
+        else:
+            self.q_proj = nn.Linear(mechanism_dim, width, bias=bias)
+            self.k_proj = nn.Linear(mechanism_dim, width, bias=bias)
+            self.v_proj = nn.Linear(mechanism_dim, width, bias=bias)
+            self.out_proj = nn.Linear(width, mechanism_dim, bias=bias)
         self.reset_parameters()
 
     def reset_parameters(self):
-        # fairseq's MultiheadAttention initialisation
+        # fairseq's MultiheadAttention initialisation (per block for GroupLinear)
+        if self.per_mechanism:
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                proj.reset_parameters(2 ** -0.5)
+            self.out_proj.reset_parameters()
+            return
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight, gain=2 ** -0.5)
         nn.init.xavier_uniform_(self.out_proj.weight)
         if self.out_proj.bias is not None:
             nn.init.constant_(self.out_proj.bias, 0.0)
 
+    def _qkv(self, tokens: Tensor) -> Tensor:
+        """q, k, v of (N, n_s, d_m) tokens from one fused matmul: (n_s, N, 3 W)."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        bias = None
+        if q.bias is not None:
+            bias = torch.cat([q.bias, k.bias, v.bias], dim=-1)
+        if self.per_mechanism:  # (n_s, N, d_m) @ (n_s, d_m, 3W): mechanism j's own block
+            groups = tokens.transpose(0, 1)
+            weight = torch.cat([q.weight, k.weight, v.weight], dim=-1)
+            if bias is None:
+                return torch.bmm(groups, weight)
+            return torch.baddbmm(bias.unsqueeze(1), groups, weight)
+        weight = torch.cat([q.weight, k.weight, v.weight])  # nn.Linear: (3W, d_m)
+        return F.linear(tokens.transpose(0, 1), weight, bias)
+
     def forward(self, x: Tensor) -> Tensor:
         lead, width = x.shape[:-1], x.size(-1)
         if width % self.mechanism_dim != 0:
             raise ValueError(f"input width {width} is not a multiple of the mechanism width {self.mechanism_dim}")
         n = width // self.mechanism_dim
+        if self.per_mechanism and n != self.num_mechanisms:
+            raise ValueError(f"expected {self.num_mechanisms} mechanisms of width {self.mechanism_dim}, got {n}")
         tokens = x.reshape(-1, n, self.mechanism_dim)  # (N, n_s, d_m)
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        bias = None
-        if self.q_proj.bias is not None:
-            bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-        qkv = F.linear(tokens, weight, bias).view(-1, n, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(2)  # each (N, n_s, H_c, d)
-        # scores[:, i, j, h] = <q_i, k_j>_h / sqrt(d); softmax over the key mechanism j
-        scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) * self.head_dim ** -0.5  # (N, n_s, n_s, H_c)
-        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=2)
+        qkv = self._qkv(tokens).view(n, -1, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(2)  # each (n_s, N, H_c, d_K)
+        # scores[i, j, :, h] = <q_i, k_j>_h / sqrt(d_K); softmax over the key mechanism j
+        scores = (q.unsqueeze(1) * k.unsqueeze(0)).sum(-1) * self.head_dim ** -0.5  # (n_s, n_s, N, H_c)
+        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=1)
         weights = F.dropout(weights, self.dropout, self.training).to(v.dtype)
-        out = (weights.unsqueeze(-1) * v.unsqueeze(1)).sum(2)  # (N, n_s, H_c, d)
-        return self.out_proj(out.reshape(-1, n, self.mechanism_dim)).reshape(*lead, width)
+        out = (weights.unsqueeze(-1) * v.unsqueeze(0)).sum(1)  # (n_s, N, H_c, d_K)
+        out = out.reshape(n, -1, self.attn_dim)
+        if self.per_mechanism:  # mechanism i's own output block: (n_s, N, W) @ (n_s, W, d_m)
+            o = self.out_proj
+            out = torch.bmm(out, o.weight) if o.bias is None else torch.baddbmm(o.bias.unsqueeze(1), out, o.weight)
+        else:
+            out = self.out_proj(out)
+        return out.transpose(0, 1).reshape(*lead, width)
 
     def extra_repr(self) -> str:
-        return f"mechanism_dim={self.mechanism_dim}, num_heads={self.num_heads}"
+        return (f"projection={self.projection}, mechanism_dim={self.mechanism_dim}, "
+                f"num_heads={self.num_heads}, head_dim={self.head_dim}")
 
 
 class TIMLayerBase(nn.Module):
@@ -210,6 +318,8 @@ class TIMLayerBase(nn.Module):
         competition: bool,
         mechanism_attention: bool,
         ffn_embed_dim: Optional[int],
+        mechanism_attention_head_dim: Optional[int] = 32,
+        mechanism_attention_projection: str = "per-mechanism",
     ):
         if utils.safe_getattr(cfg.quant_noise, "pq", 0) > 0:
             raise ValueError("--quant-noise-pq is not supported by TIM layers")
@@ -250,7 +360,10 @@ class TIMLayerBase(nn.Module):
         self.last_competition: Optional[Tensor] = None
 
         if mechanism_attention:
-            self.mechanism_attn = InterMechanismAttention(d, mechanism_attention_heads, cfg.attention_dropout)
+            self.mechanism_attn = InterMechanismAttention(
+                d, mechanism_attention_heads, cfg.attention_dropout, num_mechanisms=n,
+                head_dim=mechanism_attention_head_dim, projection=mechanism_attention_projection,
+            )
             self.mechanism_attn_layer_norm = GroupLayerNorm(n, d)
         else:
             self.mechanism_attn = None
@@ -313,7 +426,30 @@ class TIMLayerBase(nn.Module):
         return x, fc_result
 
     def upgrade_state_dict_named(self, state_dict, name):
-        """Called by fairseq's encoder on each layer; TIM checkpoints need no renaming."""
+        """TIM checkpoints need no renaming; a state dict whose inter-mechanism attention has the
+        other projection form than this layer (``nn.Linear`` weights are 2-D, ``GroupLinear``
+        weights 3-D) is refused with the flags that build the matching model.
+
+        Checkpoints whose args predate the projection flag are built with the shared form by
+        the architecture functions (``models/tim_transformer.py``); this check catches the
+        remaining case, a new command line resuming or fine-tuning from such a checkpoint."""
+        key = f"{name}.mechanism_attn.q_proj.weight" if name else "mechanism_attn.q_proj.weight"
+        if self.mechanism_attn is None or key not in state_dict:
+            return
+        stored = state_dict[key]
+        ours = self.mechanism_attn.q_proj.weight
+        if stored.dim() != ours.dim():
+            form = "shared" if stored.dim() == 2 else "per-mechanism"
+            width = stored.size(0) if stored.dim() == 2 else stored.size(-1)
+            hint = f"--tim-mechanism-attention-projection {form}"
+            if form == "shared" and width == self.mechanism_dim:
+                hint += " --tim-mechanism-attention-head-dim 0"
+            raise ValueError(
+                f"{name}: the checkpoint's inter-mechanism attention is the {form} form "
+                f"(q_proj.weight {tuple(stored.shape)}), this model's the {self.mechanism_attn.projection} "
+                f"form ({tuple(ours.shape)}); build the model with {hint} (checkpoints trained before "
+                "the per-mechanism form existed use the shared form with d_K = d_m / H_c)"
+            )
 
     def extra_repr(self) -> str:
         return (
@@ -340,13 +476,15 @@ class TIMEncoderLayer(TIMLayerBase):
         mechanism_attention: bool = True,
         ffn_embed_dim: Optional[int] = None,
         return_fc: bool = False,
+        mechanism_attention_head_dim: Optional[int] = 32,
+        mechanism_attention_projection: str = "per-mechanism",
     ):
         super().__init__()
         self.cfg = cfg
         self.return_fc = return_fc
         self._build_common(
             cfg, cfg.encoder, num_mechanisms, mechanism_attention_heads, competition, mechanism_attention,
-            ffn_embed_dim,
+            ffn_embed_dim, mechanism_attention_head_dim, mechanism_attention_projection,
         )
 
     def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
@@ -399,6 +537,8 @@ class TIMDecoderLayer(TIMLayerBase):
         competition: bool = True,
         mechanism_attention: bool = True,
         ffn_embed_dim: Optional[int] = None,
+        mechanism_attention_head_dim: Optional[int] = 32,
+        mechanism_attention_projection: str = "per-mechanism",
     ):
         super().__init__()
         if cfg.cross_self_attention:
@@ -407,7 +547,7 @@ class TIMDecoderLayer(TIMLayerBase):
         self.cross_self_attention = False
         self._build_common(
             cfg, cfg.decoder, num_mechanisms, mechanism_attention_heads, competition, mechanism_attention,
-            ffn_embed_dim,
+            ffn_embed_dim, mechanism_attention_head_dim, mechanism_attention_projection,
         )
         self.need_attn = True
         self.onnx_trace = False

@@ -41,9 +41,11 @@ the padding (checked in tests/test_rim_lstm.py). ``RIMLayer`` sets the outputs a
 positions to zero (the decoder's attention masks them anyway).
 
 Named architectures (RIM part from the paper's hyperparameter table: input attention keys 64,
-values 400 (= 4 d_r, as in the reference code), 1 head; communication keys 32, values 32, 4
-heads; input and communication dropout 0.1; n = 6 RIMs of which k = 4 are active, d_r = 100,
-i.e. 600 units, as in the reference code's copying-task script):
+values 400 (= 4 d_r, as in the reference code); communication keys 32, values 32, 4 heads;
+input and communication dropout 0.1; n = 6 RIMs of which k = 4 are active, d_r = 100, i.e. 600
+units, as in the reference code's copying-task script). One input-attention head, as the
+reference code (anirudh9119/RIMs) and the copying task use, where the paper's table says 4:
+``--rim-input-heads 4`` gives the table's value (docs/fidelity.md has the reasons):
 
     ======================= ====== ======= =================== ===================== ==========
     --arch                  embed  n/k/d_r encoder output C    decoder hidden / out  layers

@@ -16,7 +16,8 @@ Encoder self-attention is the default place (the paper's most useful one; Shazee
 counts h_k, h, h_v default to the side's ``--*-attention-heads``, so the default model has
 the transformer's parameters plus h^2 + h^2 per talking attention module. The model has no
 auxiliary loss: train it with ``label_smoothed_cross_entropy`` (or the ``_with_aux``
-criterion, which then reduces to it).
+criterion, which then reduces to it). Where the module follows the paper's pseudo-code and
+where it departs (the mask placement, the identity initialisation): docs/fidelity.md.
 """
 
 from typing import List

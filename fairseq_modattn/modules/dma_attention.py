@@ -1,5 +1,6 @@
 """Disentangled mask attention (DMA; Chien & Huang, "Disentangled Mask Attention in
-Transformer", sections 3.1-3.3 and 4.3).
+Transformer", sections 3.1-3.3 and 4.3). docs/fidelity.md lists, step by step, where this
+module follows the paper's text, the authors' code, or neither, and why.
 
 Every attention module owns
 

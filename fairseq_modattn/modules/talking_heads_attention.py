@@ -12,9 +12,11 @@ and h_v value heads (three independent numbers):
     U^c  = sum_b W^b P_w[b, c]                    c = 1..h_v   (weights projection)
     out  = concat_c( dropout(U^c) v^c ) W_o
 
-Padding and causal masks are added AFTER the logits projection (the paper's masking step
-comes after "project logits"): mixing an -inf into other heads would otherwise mask keys that
-those heads are allowed to see, or produce NaN. Either projection can be switched off (the
+Padding and causal masks are added AFTER the logits projection. The paper's pseudo-code has
+no mask step at all, so this placement is our reasoning, not the paper's: masking J before
+P_l would mix an -inf into other heads, masking keys that those heads are allowed to see, or
+produce NaN (x-transformers also masks after its head mixing). Dropout acts on U, the weights
+that multiply the values (the pseudo-code has none). Either projection can be switched off (the
 paper's "project logits only" / "project weights only" ablations); without P_l the logits
 need h_k = h, without P_w the weights need h = h_v. With both projections the identity and
 h_k = h = h_v, this is exactly multi-head attention (a test checks it against fairseq's
@@ -33,6 +35,8 @@ softmax head starts uniform, an extra value head starts silent, and both receive
 from the first step. (The paper's code initialises the projections randomly; starting from
 the baseline instead makes "talking heads" a strict extension of the model it is compared
 against, which is what an ablation on a fixed budget needs.)
+
+docs/fidelity.md compares every step with the paper's pseudo-code and x-transformers.
 
 The h x T x S weights are materialised (the mixing across heads sits between the two matrix
 products, so no fused attention kernel applies); the mixing itself is one batched matmul over

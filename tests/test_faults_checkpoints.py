@@ -1,4 +1,4 @@
-"""Checkpoint faults (issue 23, items 4, 5 and 13), through the real fairseq commands.
+"""Checkpoint faults, through the real fairseq commands.
 
 4. A run trained with ``--eval-bleu`` stores numpy arrays in its checkpoints' metrics; torch's safe
    loader must accept them (resume, generate, average, evaluate) and still refuse object arrays

@@ -1,4 +1,4 @@
-"""Faults of ``fairseq-modattn evaluate`` (issue 23, items 6 and 7), end to end with the real
+"""Faults of ``fairseq-modattn evaluate``, end to end with the real
 fairseq-generate on a tiny model:
 
 6. generation options given after ``--`` (``--beam 4 --lenpen 0.6``, ``--beam=3``) must be the

@@ -1,4 +1,4 @@
-"""Fault tests of issue 23, data loss and ``prepare`` (items 1, 2, 3, 9, 10): an output path
+"""Fault tests of data loss and ``prepare``: an output path
 that is a directory, a --dest that prepare did not create, litter and orphans after kill -9,
 raw paths that are directories, unwritable folders, and a UTF-8 byte-order mark.
 

@@ -1,4 +1,4 @@
-"""``fairseq-modattn serve`` under faults (issue 23, items 11 and 12): a port in use is one
+"""``fairseq-modattn serve`` under faults: a port in use is one
 error line, JSON nested thousands deep is a 400, and a server started with SIGINT ignored (any
 background job of a shell script) stops on SIGTERM after finishing the requests in flight.
 

@@ -176,7 +176,9 @@ def test_info_and_page_assets(clients):
     client = clients["dma"]
     info = client.get("/info").get_json()
     assert info["model"] == "dma_transformer" and info["family"] == "dma" and info["parameters"] > 0
-    assert info["text"] == {**info["text"], "tokenizer": "moses", "lowercase": True, "bpe": "subword_nmt"}
+    # conftest's data-bin is plain fairseq-preprocess output: no recorded text settings, the guesses
+    assert info["text"] == {**info["text"], "tokenizer": "moses", "lowercase": True, "bpe": "subword-nmt",
+                            "settings": "guessed"}
     page = client.get("/")
     assert page.status_code == 200 and b'id="attention-heatmap"' in page.data and b"/vendor/plotly.min.js" in page.data
     plotly_js = client.get("/vendor/plotly.min.js")

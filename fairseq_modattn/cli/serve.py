@@ -2,8 +2,9 @@
 
     fairseq-modattn serve --path CKPT --data DATA-BIN [--port 8000] [--bpe auto] [--beam 5]
 
-Loads the checkpoint (any model of this package, or a plain fairseq transformer / LSTM), finds
-the subword model the data recipe copied into DATA-BIN, and serves the page and the JSON API
+Loads the checkpoint (any model of this package, or a plain fairseq transformer / LSTM), reads
+the text settings and subword model the data recipe recorded in DATA-BIN (``demo/text.py``;
+guesses for a data-bin without them, which the start-up line says), and serves the page and the JSON API
 of ``fairseq_modattn/demo/app.py`` until stopped. Bad start-up input (a missing checkpoint,
 data-bin or subword model, a port in use, Flask or plotly not installed) is one line on stderr
 and exit status 1; the port is taken before the checkpoint is loaded, so a port in use fails
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..demo.text import LOWERCASE, SUBWORDS, TOKENIZERS
+from ..demo.text import LOWERCASE, SUBWORDS, TOKENIZERS, subword_choice
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,14 +50,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len-b", type=int, default=200, help="the longest translation, in target tokens")
     p.add_argument("--max-chars", type=int, default=1000,
                    help="the longest text a request may send, in characters (longer: HTTP 413)")
-    p.add_argument("--bpe", choices=SUBWORDS, default="auto",
-                   help="the subword model: auto finds code / code.SRC (subword_nmt) or spm.model / spm.SRC.model "
-                        "(sentencepiece) in --data, where `fairseq-modattn prepare` puts them")
-    p.add_argument("--bpe-codes", type=Path, help="the subword model file, with --bpe subword_nmt or sentencepiece")
+    # the input goes through the text steps `fairseq-modattn prepare` recorded in --data (its
+    # prepare-manifest.json); each auto takes the recorded setting, any other value overrides it
+    p.add_argument("--bpe", type=subword_choice, choices=SUBWORDS, default="auto",
+                   help="the subword model: auto takes the one prepare recorded in --data; for a data-bin without "
+                        "recorded settings it finds code / code.SRC (subword-nmt) or spm.model / spm.SRC.model "
+                        "(sentencepiece) there (subword_nmt is accepted for subword-nmt)")
+    p.add_argument("--bpe-codes", type=Path, help="the subword model file, with --bpe subword-nmt or sentencepiece")
     p.add_argument("--tokenizer", choices=TOKENIZERS, default="auto",
-                   help="auto: jieba for Chinese, none before sentencepiece, Moses otherwise (as the data recipes)")
+                   help="auto: the tokenizer prepare recorded in --data, with its normalisation, escaping and dash "
+                        "splitting; without recorded settings jieba for Chinese, none before sentencepiece, Moses "
+                        "otherwise")
     p.add_argument("--lowercase", choices=LOWERCASE, default="auto",
-                   help="auto: lower-case the input when the source dictionary holds no upper-case letter")
+                   help="auto: as prepare recorded in --data; without recorded settings, lower-case the input when "
+                        "the source dictionary holds no upper-case letter")
     p.add_argument("--gpu", action="store_true", help="run the model on CUDA when it is available")
     return p
 
@@ -213,7 +220,8 @@ def run(args, sock: socket.socket, prog: str, fail) -> int:
     text = info["text"]
     print(f"{prog}: {info['model']} ({info['parameters']:,} parameters, {info['family']}) from {args.path}, "
           f"loaded in {time.monotonic() - started:.1f} s; input: tokenizer {text['tokenizer']}, "
-          f"lowercase {text['lowercase']}, bpe {text['bpe']} {text['bpe_model'] or ''}".rstrip(), flush=True)
+          f"lowercase {text['lowercase']}, bpe {text['bpe']} {text['bpe_model'] or ''}".rstrip()
+          + f" [{text['steps']}; {text['settings_origin']}]", flush=True)
     keys = "SIGTERM" if signal.getsignal(signal.SIGINT) is not stop else "Ctrl-C or SIGTERM"
     print(f"{prog}: serving on http://{args.host}:{port}/ ({keys} to stop)", flush=True)
     try:

@@ -9,7 +9,9 @@ light). A recipe module defines
     add_args(parser)                      its own flags (the common ones are added here)
     prepare(args) -> pipeline.Summary     does the work (resumable), returns the summary
 
-and uses the shared text pipeline in ``pipeline.py``.
+and uses the shared text pipeline in ``pipeline.py``; its text steps are ``text_settings.TextSettings``
+(run by ``text_settings.tokenize_lines``), and those of the test split are recorded in the data-bin's
+``prepare-manifest.json``, where the demo reads them.
 """
 
 import argparse

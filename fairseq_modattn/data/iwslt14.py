@@ -22,6 +22,7 @@ import tarfile
 from pathlib import Path
 
 from . import pipeline as P
+from .text_settings import TextSettings, tokenize_lines
 
 DESCRIPTION = "IWSLT14 de-en (de-en.tgz) -> tokenised, lower-cased, BPE'd data-bin (fairseq's recipe)"
 DEFAULT_DEST = "data-bin/iwslt14.tokenized.de-en"
@@ -101,7 +102,10 @@ def prepare(args) -> P.Summary:
     files = extract(Path(archive), work / "orig", steps)
     tok = work / "tok"
     lower = not args.no_lowercase
-    tok_kwargs = dict(lower=lower, workers=args.workers)
+    # Moses and lower-casing; the test sets first get ’ -> ' (fairseq's recipe): the test
+    # settings are those recorded for the demo
+    train_settings = {lang: TextSettings(lang, lowercase=lower) for lang in (SRC, TGT)}
+    test_settings = {lang: TextSettings(lang, apostrophe=True, lowercase=lower) for lang in (SRC, TGT)}
 
     def train_valid(tr_s, tr_t, va_s, va_t, stats_json):
         src_path, tgt_path = files[f"{TRAIN_STEM}.{SRC}"], files[f"{TRAIN_STEM}.{TGT}"]
@@ -114,8 +118,8 @@ def prepare(args) -> P.Summary:
         for path, lines in ((src_path, src), (tgt_path, tgt)):
             if not lines:
                 raise P.DataError("no sentences left after removing metadata lines", path)
-        src = P.tokenize(src, SRC, **tok_kwargs)
-        tgt = P.tokenize(tgt, TGT, **tok_kwargs)
+        src = tokenize_lines(src, train_settings[SRC], workers=args.workers)
+        tgt = tokenize_lines(tgt, train_settings[TGT], workers=args.workers)
         src, tgt, stats = P.clean_corpus(src, tgt, ratio=args.clean_ratio, min_len=args.clean_min,
                                          max_len=args.clean_max)
         if not src:
@@ -140,12 +144,12 @@ def prepare(args) -> P.Summary:
                 src_seg, tgt_seg = P.read_parallel_segments(files[f"{name}.de-en.{SRC}.xml"],
                                                             files[f"{name}.de-en.{TGT}.xml"])
                 lines += src_seg if lang == SRC else tgt_seg
-            lines = [s.replace("\u2019", "'") for s in lines]
-            P._write_lines_now(out, P.tokenize(lines, lang, **tok_kwargs))
+            P._write_lines_now(out, tokenize_lines(lines, test_settings[lang], workers=args.workers))
 
     test_inputs = [files[f"{n}.de-en.{l}.xml"] for n in TEST_SETS for l in (SRC, TGT)]
     steps.run("test", [tok / f"test.{SRC}", tok / f"test.{TGT}"], test, inputs=test_inputs,
               params={"lower": lower, "sets": TEST_SETS})
 
     return P.subword_binarize_summary(steps, args, tok, work / "bpe", ("train", "valid", "test"), SRC, TGT,
-                                      "iwslt14 de-en", clean_stats=stats_path)
+                                      "iwslt14 de-en", clean_stats=stats_path,
+                                      text_settings=test_settings)

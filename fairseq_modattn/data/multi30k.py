@@ -17,6 +17,7 @@ Steps (each resumable):
 from pathlib import Path
 
 from . import pipeline as P
+from .text_settings import TextSettings, tokenize_lines
 
 DESCRIPTION = "Multi30k task 1 (raw .gz files) -> tokenised, BPE'd (or sentencepiece) data-bin"
 DEFAULT_DEST = "data-bin/multi30k.de-en"
@@ -56,7 +57,8 @@ def prepare(args) -> P.Summary:
     steps = P.Steps(work)
     tok = work / "tok"
     lower = not args.no_lowercase
-    moses = args.tokenizer == "moses"
+    # every split, both languages: Moses (or none) and lower-casing; recorded for the demo
+    settings = {lang: TextSettings(lang, tokenizer=args.tokenizer, lowercase=lower) for lang in (src, tgt)}
     stats_path = tok / "clean-stats.json"
     outputs = [tok / f"{split}.{lang}" for split in SPLITS for lang in (src, tgt)] + [stats_path]
     inputs = [files[f"{stem}.{lang}.gz"] for stem in SPLITS.values() for lang in (src, tgt)]
@@ -69,8 +71,8 @@ def prepare(args) -> P.Summary:
             s_lines, t_lines = P.read_parallel(s_path, t_path)
             if split == "train" and args.max_train_sentences:
                 s_lines, t_lines = s_lines[:args.max_train_sentences], t_lines[:args.max_train_sentences]
-            s_lines = P.tokenize(s_lines, src, tokenize=moses, lower=lower, workers=args.workers)
-            t_lines = P.tokenize(t_lines, tgt, tokenize=moses, lower=lower, workers=args.workers)
+            s_lines = tokenize_lines(s_lines, settings[src], workers=args.workers)
+            t_lines = tokenize_lines(t_lines, settings[tgt], workers=args.workers)
             if split == "train":
                 s_lines, t_lines, stats = P.clean_corpus(s_lines, t_lines, ratio=args.clean_ratio,
                                                          min_len=1, max_len=args.clean_max)
@@ -83,4 +85,5 @@ def prepare(args) -> P.Summary:
                       "ratio": args.clean_ratio, "max": args.clean_max})
     sub_dir = work / ("spm" if args.subword == "sentencepiece" else "bpe")
     return P.subword_binarize_summary(steps, args, tok, sub_dir, tuple(SPLITS), src, tgt,
-                                      f"multi30k {src}-{tgt}", clean_stats=stats_path)
+                                      f"multi30k {src}-{tgt}", clean_stats=stats_path,
+                                      text_settings=settings)

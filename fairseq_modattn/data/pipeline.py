@@ -43,7 +43,8 @@ Text processing
     ``normalize_punctuation``, ``tokenize`` (Moses via sacremoses, optional aggressive dash
     splitting ``@-@``, optional lower-casing, ``workers`` processes), ``lowercase``,
     ``clean_corpus`` (Moses ``clean-corpus-n.perl``: min/max tokens and length ratio; returns
-    the kept pairs and a ``CleanStats``).
+    the kept pairs and a ``CleanStats``). The recipes reach them through
+    ``text_settings.tokenize_lines`` (their settings as data, shared with the demo).
 
 Subwords
     ``learn_bpe`` / ``apply_bpe`` (subword-nmt), ``train_sentencepiece`` /
@@ -61,7 +62,8 @@ Recipe building blocks (resumable steps over folders of ``{split}.{lang}`` text 
     ``subword_steps``, ``binarize_step``, ``text_summary``, ``subword_binarize_summary`` (all
     three plus the summary), ``save_json`` / ``load_json``.
     ``binarize_step`` writes the data-bin file by file and records the files it wrote in
-    ``DEST/prepare-manifest.json`` (``MANIFEST``); other files in DEST (a user's notes) are
+    ``DEST/prepare-manifest.json`` (``MANIFEST``), with the text settings of each language
+    (``text_settings.py``: the steps above and the subword model, which the demo reuses); other files in DEST (a user's notes) are
     left alone on every rerun. ``check_prepare_paths`` (run by ``data.prepare`` before any
     work) refuses, in one line, a --dest that is not empty and holds no such manifest (another
     tool's folder, a parent of data-bins), a --dest holding another corpus's data-bin, an
@@ -80,6 +82,7 @@ Summary
 
 import contextlib
 import ctypes
+import functools
 import glob
 import gzip
 import hashlib
@@ -427,19 +430,24 @@ class Steps:
 _WORKER = {}
 
 
-def _init_worker(lang, normalize, tokenize_, lower, escape, aggressive_dash_splits):
+@functools.lru_cache(maxsize=16)
+def _moses(lang, normalize, tokenize_, lower, escape, aggressive_dash_splits) -> dict:
+    """The sacremoses objects of one configuration (built once per process: the demo calls
+    ``tokenize`` once a sentence)."""
     from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
+    return dict(norm=MosesPunctNormalizer(lang=lang) if normalize else None,
+                tok=MosesTokenizer(lang=lang) if tokenize_ else None,
+                lower=lower, escape=escape, dash=aggressive_dash_splits)
+
+
+def _init_worker(lang, normalize, tokenize_, lower, escape, aggressive_dash_splits):
     _WORKER.clear()
-    _WORKER.update(
-        norm=MosesPunctNormalizer(lang=lang) if normalize else None,
-        tok=MosesTokenizer(lang=lang) if tokenize_ else None,
-        lower=lower, escape=escape, dash=aggressive_dash_splits,
-    )
+    _WORKER.update(_moses(lang, normalize, tokenize_, lower, escape, aggressive_dash_splits))
 
 
-def _process_one(line: str) -> str:
-    w = _WORKER
+def _process_one(line: str, w: Optional[dict] = None) -> str:
+    w = _WORKER if w is None else w
     if w["norm"] is not None:
         line = w["norm"].normalize(line)
     if w["tok"] is not None:
@@ -466,8 +474,8 @@ def tokenize(lines: Sequence[str], lang: str, *, normalize: bool = False, tokeni
     config = (lang, normalize, tokenize, lower, escape, aggressive_dash_splits)
     lines = list(lines)
     if workers <= 1 or len(lines) < 2000:
-        _init_worker(*config)
-        return _process_chunk(lines)
+        w = _moses(*config)  # not the process-global _WORKER: the demo's threads call this too
+        return [_process_one(s, w) for s in lines]
     import multiprocessing
 
     size = 1000
@@ -555,11 +563,9 @@ def learn_bpe(texts: Sequence[Sequence[str]], codes_path: PathLike, merges: int,
 
 def apply_bpe(lines: Iterable[str], codes_path: PathLike) -> List[str]:
     """subword-nmt ``apply_bpe.py -c CODES`` (``@@ `` continuation marks)."""
-    from subword_nmt.apply_bpe import BPE
+    from .text_settings import SubwordModel
 
-    with open(codes_path, encoding="utf-8") as f:
-        bpe = BPE(f)
-    return [bpe.process_line(s) for s in lines]
+    return SubwordModel("subword-nmt", codes_path).apply_lines(lines)
 
 
 def _require_sentencepiece():
@@ -592,9 +598,9 @@ def train_sentencepiece(texts: Sequence[Sequence[str]], model_prefix: PathLike, 
 
 def apply_sentencepiece(lines: Sequence[str], model_path: PathLike) -> List[str]:
     """Encode LINES into space-separated SentencePiece pieces."""
-    spm = _require_sentencepiece()
-    sp = spm.SentencePieceProcessor(model_file=str(model_path))
-    return [" ".join(p) for p in sp.encode(list(lines), out_type=str)]
+    from .text_settings import SubwordModel
+
+    return SubwordModel("sentencepiece", model_path).apply_lines(lines)
 
 
 # ------------------------------------------------------------------------------------ binarising
@@ -881,9 +887,9 @@ def subword_steps(steps: Steps, text_dir: PathLike, out_dir: PathLike, splits: S
         groups = {src: ([src], src_size), tgt: ([tgt], tgt_size)}
 
     def model_file(group):
-        if spm:
-            return out_dir / (f"spm.{group}.model" if group != "joint" else "spm.model")
-        return out_dir / (f"code.{group}" if group != "joint" else "code")
+        from .text_settings import subword_model_name
+
+        return out_dir / subword_model_name(method, group if group != "joint" else None)
 
     models = [model_file(g) for g in groups]
 
@@ -938,9 +944,12 @@ def read_manifest(dest: PathLike) -> Optional[dict]:
 
 def binarize_step(steps: Steps, text_dir: PathLike, dest: PathLike, src: str, tgt: str, *,
                   joined: bool, workers: int = 1, extra_files: Sequence[PathLike] = (),
-                  splits: Sequence[str] = ("train", "valid", "test"), corpus: Optional[str] = None):
+                  splits: Sequence[str] = ("train", "valid", "test"), corpus: Optional[str] = None,
+                  text: Optional[Dict[str, dict]] = None):
     """Resumable "binarize" step: fairseq-preprocess of TEXT_DIR/{train,valid,test}.{src,tgt}
     into DEST (joined or separate dictionaries); EXTRA_FILES are copied into DEST.
+    TEXT (``text_settings.manifest_text``: per language, the text steps and subword model of the
+    test split) is recorded in the manifest under ``"text"``, where the demo reads it.
 
     fairseq-preprocess writes into a temporary folder in the work dir; its files are then moved
     into DEST one by one (each atomically), together with ``prepare-manifest.json`` naming
@@ -954,6 +963,8 @@ def binarize_step(steps: Steps, text_dir: PathLike, dest: PathLike, src: str, tg
     outputs = [dest / n for n in names] + [dest / MANIFEST]  # the manifest is renamed into place first
     manifest = {"written_by": _WRITTEN_BY, "corpus": corpus, "src": src, "tgt": tgt,
                 "files": sorted(names + [MANIFEST])}
+    if text:
+        manifest["text"] = text
     stage_prefix = ".binarize.tmp-"
     if steps.work_dir.is_dir():
         for stale in steps.work_dir.glob(stage_prefix + "*"):  # left by a killed run
@@ -984,7 +995,8 @@ def binarize_step(steps: Steps, text_dir: PathLike, dest: PathLike, src: str, tg
             _remove(stage)
 
     steps.run("binarize", outputs, binarize, inputs=inputs,
-              params={"joined": joined, "src": src, "tgt": tgt, "files": manifest["files"], "corpus": corpus})
+              params={"joined": joined, "src": src, "tgt": tgt, "files": manifest["files"], "corpus": corpus,
+                      **({"text": text} if text else {})})
 
 
 def _check_writable(path: Path, flag: str):
@@ -1062,15 +1074,19 @@ def load_json(path: PathLike):
 
 def subword_binarize_summary(steps: Steps, args, text_dir: PathLike, sub_dir: PathLike,
                              splits: Sequence[str], src: str, tgt: str, name: str,
-                             clean_stats: Optional[PathLike] = None) -> Summary:
+                             clean_stats: Optional[PathLike] = None, text_settings=None) -> Summary:
     """The common tail of a recipe: ``subword_steps`` (flags of ``add_subword_args``),
     ``binarize_step`` into ``args.dest`` and the Summary (dropped pairs read from CLEAN_STATS,
-    a ``CleanStats.save`` file)."""
+    a ``CleanStats.save`` file). TEXT_SETTINGS ({lang: ``text_settings.TextSettings``} of the
+    test split) are recorded in the manifest with the subword model."""
+    from .text_settings import manifest_text
+
     joint = args.vocab == "joint"
     models = subword_steps(steps, text_dir, sub_dir, splits, src, tgt, method=args.subword, joint=joint,
                            joint_size=args.bpe_size, src_size=args.src_bpe_size, tgt_size=args.tgt_bpe_size)
     binarize_step(steps, sub_dir, args.dest, src, tgt, joined=joint, workers=args.workers,
-                  extra_files=models, splits=splits, corpus=getattr(args, "corpus", None))
+                  extra_files=models, splits=splits, corpus=getattr(args, "corpus", None),
+                  text=manifest_text(text_settings, args.subword, joint) if text_settings else None)
     dropped = CleanStats.load(clean_stats).reasons() if clean_stats else {}
     summary = text_summary(name, args.dest, sub_dir, splits, src, tgt, dropped)
     summary.notes.append(f"tokenised text: {text_dir}; subword text: {sub_dir}; "

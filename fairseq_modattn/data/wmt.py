@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 from . import pipeline as P
 from .pipeline import DataError, RawFile, Steps, fetch_raw_files
+from .text_settings import manifest_text, remove_control_chars  # noqa: F401 (remove_control_chars: API)
 
 __all__ = ["Archive", "Member", "locate_members", "remove_control_chars", "add_clean_args",
            "check_clean_args", "finish"]
@@ -124,15 +125,6 @@ def locate_members(members: Sequence[Member], archives: Dict[str, Archive], raw_
     return found
 
 
-def remove_control_chars(lines: Sequence[str]) -> List[str]:
-    """Moses ``remove-non-printing-char.perl``: every Unicode "other" character (``\\p{C}``:
-    controls, format characters such as zero-width spaces, unassigned) becomes a space."""
-    import regex  # a dependency of sacremoses
-
-    pattern = regex.compile(r"\p{C}")
-    return [pattern.sub(" ", s) for s in lines]
-
-
 def add_clean_args(group, ratio: float, max_len: int, min_len: int = 1):
     group.add_argument("--clean-ratio", type=float, default=ratio,
                        help="clean-corpus-n -ratio, on the subword tokens of train and valid")
@@ -146,11 +138,13 @@ def check_clean_args(args):
                           f"{args.clean_max}: expected ratio > 0 and 0 <= clean-min <= clean-max")
 
 
-def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), notes=()):
+def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), notes=(), text_settings=None):
     """The common end of the WMT recipes, from WORK/tok/{train,valid,test}.{SRC,TGT}: subword
     model(s) learned on train and applied everywhere (WORK/bpe), CLEAN_SPLITS cleaned with
     clean-corpus-n on the subword tokens as fairseq does (WORK/final; official dev/test sets
-    are never cleaned), fairseq-preprocess into --dest, and the summary."""
+    are never cleaned), fairseq-preprocess into --dest (TEXT_SETTINGS, {lang:
+    ``text_settings.TextSettings``} of the test split, recorded in its manifest), and the
+    summary."""
     splits = ("train", "valid", "test")
     bpe_dir, final = work / "bpe", work / "final"
     joint = args.vocab == "joint"
@@ -180,7 +174,8 @@ def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), n
               params={"ratio": args.clean_ratio, "min": args.clean_min, "max": args.clean_max,
                       "splits": list(clean_splits)})
     P.binarize_step(steps, final, args.dest, src, tgt, joined=joint, workers=args.workers, extra_files=models,
-                    corpus=getattr(args, "corpus", None))
+                    corpus=getattr(args, "corpus", None),
+                    text=manifest_text(text_settings, args.subword, joint) if text_settings else None)
 
     stats = P.load_json(stats_path)
     dropped = {f"{split} {why}": n for split, st in stats.items() for why, n in st.items() if n}

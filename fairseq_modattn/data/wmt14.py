@@ -12,14 +12,15 @@ tokenised with ``-a`` (no punctuation normalisation, as fairseq). One joint BPE 
 on the training text of both languages; train and valid cleaned as Moses
 ``clean-corpus-n.perl -ratio 1.5 ... 1 250`` on the BPE tokens (test untouched); one joined
 dictionary (``fairseq-preprocess --joined-dictionary``, for ``--share-all-embeddings``).
+The data-bin records the test settings (``testset_settings``), which the demo applies to its input.
 """
 
 import shutil
 from pathlib import Path
 
 from . import pipeline as P
-from .wmt import (Archive, Member, add_clean_args, check_clean_args, finish, locate_members,
-                  remove_control_chars)
+from .text_settings import TextSettings, tokenize_lines
+from .wmt import Archive, Member, add_clean_args, check_clean_args, finish, locate_members
 
 DESCRIPTION = "WMT14 en-de (Europarl v7 + CommonCrawl + News Commentary v9; newstest2014), fairseq's recipe"
 DEFAULT_DEST = "data-bin/wmt14_en_de"
@@ -60,16 +61,23 @@ def add_args(parser):
     P.add_subword_args(parser, joint_size=40000, src_size=40000, tgt_size=40000)
 
 
+def train_settings(lang) -> TextSettings:
+    """remove-non-printing-char.perl | normalize-punctuation.perl | tokenizer.perl -a."""
+    return TextSettings(lang, remove_non_printing=True, normalize=True, aggressive_dash_splits=True)
+
+
+def testset_settings(lang) -> TextSettings:
+    """fairseq's test processing: ``sed "s/’/'/g" | tokenizer.perl -a`` (no normalisation); the
+    settings recorded in the data-bin for the demo."""
+    return TextSettings(lang, apostrophe=True, aggressive_dash_splits=True)
+
+
 def tokenize_train(lines, lang, workers):
-    """normalize-punctuation.perl | remove-non-printing-char.perl | tokenizer.perl -a."""
-    return P.tokenize(remove_control_chars(lines), lang, normalize=True, aggressive_dash_splits=True,
-                      workers=workers)
+    return tokenize_lines(lines, train_settings(lang), workers=workers)
 
 
 def tokenize_test(lines, lang, workers):
-    """fairseq's test processing: ``sed "s/’/'/g" | tokenizer.perl -a`` (no normalisation)."""
-    return P.tokenize([s.replace("\u2019", "'") for s in lines], lang, aggressive_dash_splits=True,
-                      workers=workers)
+    return tokenize_lines(lines, testset_settings(lang), workers=workers)
 
 
 def prepare(args) -> P.Summary:
@@ -125,7 +133,8 @@ def prepare(args) -> P.Summary:
               inputs=[raw[m.path] for m in TEST.values()], params={})
 
     clean_splits = ("train", "valid") if args.valid_set == "split" else ("train",)
-    return finish(args, steps, work, "wmt14 en-de", SRC, TGT, clean_splits, notes=[
+    return finish(args, steps, work, "wmt14 en-de", SRC, TGT, clean_splits,
+                  text_settings={lang: testset_settings(lang) for lang in (SRC, TGT)}, notes=[
         f"valid: {'every 100th training pair' if args.valid_set == 'split' else 'newstest2013'}; "
         "test: newstest2014 (full, 3003 sentences)",
     ])

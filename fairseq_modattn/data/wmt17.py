@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import List, Sequence
 
 from . import pipeline as P
-from .wmt import (Archive, Member, add_clean_args, check_clean_args, finish, locate_members,
-                  remove_control_chars)
+from .text_settings import TextSettings, tokenize_lines
+from .wmt import Archive, Member, add_clean_args, check_clean_args, finish, locate_members
 
 DESCRIPTION = "WMT17 zh-en (News Commentary v12; newsdev2017 / newstest2017), jieba + Moses, separate BPE"
 DEFAULT_DEST = "data-bin/wmt17_zh_en"
@@ -52,22 +52,20 @@ def add_args(parser):
     P.add_subword_args(parser, joint_size=40000, src_size=25000, tgt_size=20000, vocab="separate")
 
 
-def segment_zh(lines: Sequence[str]) -> List[str]:
-    """Chinese word segmentation with jieba's default dictionary (deterministic)."""
-    import logging
+#: every split (and the demo, which reads them from the data-bin): Chinese non-printing
+#: characters removed, then jieba; English remove-non-printing-char, normalize-punctuation, Moses
+SETTINGS = {SRC: TextSettings(SRC, tokenizer="jieba", remove_non_printing=True),
+            TGT: TextSettings(TGT, remove_non_printing=True, normalize=True)}
 
-    try:
-        import jieba
-    except ImportError:
-        raise P.DataError("the WMT17 zh-en recipe segments Chinese with `jieba`: pip install jieba") from None
-    jieba.setLogLevel(logging.WARNING)
-    tokenizer = jieba.Tokenizer()  # the default dictionary, cached by jieba in the temp folder
-    return [" ".join(w for w in tokenizer.cut(" ".join(s.split()), HMM=True) if not w.isspace())
-            for s in remove_control_chars(lines)]
+
+def segment_zh(lines: Sequence[str]) -> List[str]:
+    """Chinese word segmentation with jieba's default dictionary (deterministic), after
+    remove-non-printing-char."""
+    return tokenize_lines(lines, SETTINGS[SRC])
 
 
 def tokenize_en(lines: Sequence[str], workers: int) -> List[str]:
-    return P.tokenize(remove_control_chars(lines), TGT, normalize=True, workers=workers)
+    return tokenize_lines(lines, SETTINGS[TGT], workers=workers)
 
 
 def prepare(args) -> P.Summary:
@@ -93,7 +91,7 @@ def prepare(args) -> P.Summary:
         steps.run(f"tokenize-{split}", [tok_dir / f"{split}.{SRC}", tok_dir / f"{split}.{TGT}"], run,
                   inputs=[raw[files[SRC].path], raw[files[TGT].path]], params={"zh": "jieba", "en": "moses"})
 
-    return finish(args, steps, work, "wmt17 zh-en", SRC, TGT, clean_splits=("train",), notes=[
+    return finish(args, steps, work, "wmt17 zh-en", SRC, TGT, clean_splits=("train",), text_settings=SETTINGS, notes=[
         "train: news-commentary-v12 zh-en; valid: newsdev2017; test: newstest2017",
         "Chinese segmented with jieba (default dictionary); English Moses-tokenised, case kept",
     ])

@@ -2,7 +2,8 @@
 
 ``Translator.translate(text)``:
 
-1. encodes the sentence as the data recipe did (``text.TextPipeline``);
+1. encodes the sentence as the data recipe did (``text.TextPipeline``: the text settings
+   ``prepare`` recorded in the data-bin, or guesses for a data-bin without them);
 2. translates it with fairseq's own ``SequenceGenerator`` (``task.build_generator``, beam search
    with incremental decoding: the hypothesis ``fairseq-generate`` / ``fairseq-interactive``
    print for the same tokens and flags);
@@ -44,7 +45,7 @@ from ..analysis.capture import (
 )
 from ..analysis.loading import load_model, model_name
 from . import DemoError
-from .text import TextPipeline, default_tokenizer, dictionary_is_lowercase, find_subword_model
+from .text import TextPipeline
 
 #: decimals of the numbers sent to the page (weights and probabilities in [0, 1])
 DECIMALS = 4
@@ -85,17 +86,9 @@ class Translator:
         src, tgt = self.task.cfg.source_lang, self.task.cfg.target_lang
         data_dir = Path(str(self.task.cfg.data).split(":")[0])
 
-        if bpe == "auto":
-            if bpe_codes is not None:
-                raise DemoError("--bpe-codes needs --bpe subword_nmt or sentencepiece (which model is it?)")
-            bpe, bpe_codes = find_subword_model(data_dir, src)
-        if tokenizer == "auto":
-            tokenizer = default_tokenizer(src, bpe)
-        lower = {"yes": True, "no": False}.get(lowercase)
-        if lower is None:
-            lower = dictionary_is_lowercase(self.src_dict)
-        self.text = TextPipeline(self.src_dict, self.tgt_dict, src, tgt, tokenizer=tokenizer, lowercase=lower,
-                                 subword=bpe, subword_model=bpe_codes)
+        # the recipe's recorded text settings (or, for a data-bin without them, the guesses)
+        self.text = TextPipeline.from_data_bin(data_dir, self.src_dict, self.tgt_dict, src, tgt, tokenizer=tokenizer,
+                                               lowercase=lowercase, bpe=bpe, bpe_codes=bpe_codes)
 
         from fairseq.dataclass.configs import GenerationConfig
 

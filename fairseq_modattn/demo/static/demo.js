@@ -170,7 +170,8 @@ async function describeModel() {
     const t = info.text;
     $("model-info").textContent = `${info.model} (${info.family}, ${info.parameters.toLocaleString()} parameters), `
       + `${t.source_lang} → ${t.target_lang}, beam ${info.beam}; at most ${info.max_chars} characters `
-      + `and ${info.max_source_tokens} subword tokens per request`;
+      + `and ${info.max_source_tokens} subword tokens per request; input: ${t.steps} `
+      + `(${t.settings === "recorded" ? "the data recipe's recorded settings" : "guessed: the data-bin records no settings"})`;
     $("source").maxLength = info.max_chars;
   } catch (e) {
     $("model-info").textContent = `cannot describe the model: ${e.message}`;

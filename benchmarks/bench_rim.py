@@ -28,7 +28,7 @@ sentences of L tokens (``bench_dma.training_sample``: no padding), in train mode
 Gradients are set to None before every step (outside the timer). Per length, every step kind
 first runs ``--warmup`` untimed steps, then ``--repeats`` timed ones, interleaved (lstm encoder,
 RIM encoder, lstm model, rim_lstm model, lstm encoder, ...) so that drifts of the machine hit all
-alike; the table shows medians and the ratios RIM / LSTM. The issue's target: a RIM encoder step
+alike; the table shows medians and the ratios RIM / LSTM. The target: a RIM encoder step
 at most 4 x the LSTM encoder's on the 2-core CPU.
 
 Output: the table and a JSON file (``--json``, default benchmarks/results/bench_rim.json,
@@ -77,7 +77,7 @@ from fairseq_modattn.models.rim_lstm import RIMEncoder  # noqa: E402
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "bench_rim.json"
 CRITERION = "label_smoothed_cross_entropy"
 RIM_ARCH, LSTM_ARCH = "rim_lstm_iwslt_de_en", "lstm_wiseman_iwslt_de_en"
-TARGET_RATIO = 4.0  # the target for the encoder step on the 2-core CPU
+TARGET_RATIO = 4.0  # the target for the encoder step on the 2-core CPU
 
 # --quick: tiny widths (n = 6, k = 4 kept), tiny batches
 QUICK_MODEL_ARGS = [

@@ -75,7 +75,7 @@ def test_dma_views_are_the_gmm_posteriors_and_their_mask(clients):
     for kind, layers in r["dma"].items():
         assert len(layers) == 2
         for layer in layers:
-            # the decoder self-attention drops the mask at inference (DESIGN.md; paper 4.3)
+            # the decoder self-attention drops the mask at inference (docs/design.md, "DMA"; paper 4.3)
             if kind == "dec_self":
                 assert layer["gamma"] == 0.0
             p_q, p_k, mask = (np.asarray(layer[k]) for k in ("query_posteriors", "key_posteriors", "mask"))

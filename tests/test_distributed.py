@@ -84,7 +84,7 @@ def run_together(commands, env, timeout=600):
 
 
 def gloo_ranks(data, save_dir, args, record_dir, world_size=2):
-    """One process per rank, initialised through an explicit TCP address (DESIGN.md's recipe)."""
+    """One process per rank on an explicit TCP address (docs/design.md, "Hooking into fairseq")."""
     init = ["--distributed-init-method", f"tcp://127.0.0.1:{free_port()}", "--distributed-no-spawn"]
     commands = [[sys.executable, RECORDING_TRAIN, data, *args, *DISTRIBUTED, *init, "--save-dir", save_dir,
                  "--distributed-rank", str(rank)] for rank in range(world_size)]

@@ -79,3 +79,55 @@ def test_module_docstrings_link_the_document():
         source = (REPO / "fairseq_modattn" / path).read_text()
         docstring = source.split('"""')[1]
         assert "docs/fidelity.md" in docstring, path
+
+
+# ------------------------------------------------------------- references to the documentation
+#: files whose text may cite the documentation under docs/
+CITING = ("fairseq_modattn/**/*.py", "README.md", "docs/*.md", "examples/**/*.md", "benchmarks/*.md")
+#: every text file of the repository that might name the design document
+ALL_TEXT = CITING + ("tests/*.py", "benchmarks/*.py", "scripts/*.sh", "pyproject.toml", "examples/**/*")
+DESIGN = REPO / "docs" / "design.md"
+#: the project-internal notes users do not have (spelled in two parts so that this file passes)
+INTERNAL_DESIGN = "DESIGN" + ".md"
+
+
+def files_matching(patterns):
+    return sorted({p for pattern in patterns for p in REPO.glob(pattern) if p.is_file()})
+
+
+def design_sections():
+    """The headings of docs/design.md (fenced code blocks left out), whitespace collapsed."""
+    text = re.sub(r"^```.*?^```", "", DESIGN.read_text(), flags=re.M | re.S)
+    return {" ".join(h.split()) for h in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.M)}
+
+
+def test_cited_docs_exist():
+    cited = {}
+    for path in files_matching(CITING):
+        for name in re.findall(r"docs/[\w./-]*\w\.md", path.read_text()):
+            cited.setdefault(name, set()).add(str(path.relative_to(REPO)))
+    assert "docs/design.md" in cited and "docs/fidelity.md" in cited, "the path pattern is wrong"
+    missing = {name: sorted(where) for name, where in cited.items() if not (REPO / name).is_file()}
+    assert not missing, f"documents cited but absent (document: citing files): {missing}"
+
+
+def test_cited_design_sections_exist():
+    sections = design_sections()
+    assert {"Evaluation definitions", "fairseq pitfalls", "DMA"} <= sections, sections
+    # docs/design.md, "Section" (the quote may follow a backtick, a comma and a line break)
+    citation = re.compile(r"docs/design\.md`?,?\s+[\"']([^\"']+)[\"']")
+    cited, unknown = 0, []
+    for path in files_matching(CITING):
+        for name in citation.findall(path.read_text()):
+            cited += 1
+            name = " ".join(name.split())
+            if name not in sections:
+                unknown.append(f"{path.relative_to(REPO)}: {name!r}")
+    assert cited >= 5, "the citation pattern is wrong"
+    assert not unknown, f"docs/design.md has no such section: {unknown}; it has {sorted(sections)}"
+
+
+def test_no_file_cites_the_internal_design_notes():
+    citing = [str(p.relative_to(REPO)) for p in files_matching(ALL_TEXT)
+              if INTERNAL_DESIGN in p.read_text(errors="replace")]
+    assert not citing, f"{citing} cite {INTERNAL_DESIGN}, which users do not have: cite docs/design.md"

@@ -4,7 +4,7 @@
     scoring.py      BLEU as fairseq prints it, detokenized sacreBLEU, compound-split BLEU
     loading.py      any supported checkpoint -> (model, task), batches of a data split
     capture.py      per-head attention weights, queries and DMA posteriors via forward hooks
-    redundancy.py   the attention-redundancy metrics LR and HR (DESIGN.md, "Evaluation")
+    redundancy.py   the attention-redundancy metrics LR and HR (docs/design.md, "Evaluation definitions")
     plots.py        headless matplotlib figures (PNG)
 
 Nothing here is imported by ``fairseq_modattn/__init__.py``: ``--user-dir`` stays light.

@@ -1,6 +1,6 @@
 """Finding, averaging and atomically saving fairseq checkpoints.
 
-The paper reports BLEU on "the average of the last 5 epoch checkpoints" (DESIGN.md,
+The paper reports BLEU on "the average of the last 5 epoch checkpoints" (docs/design.md,
 "Evaluation definitions"). fairseq's own ``scripts/average_checkpoints.py`` is not part of the
 pip package, so this module provides the same selection rules (``checkpointEPOCH.pt`` and
 ``checkpoint_EPOCH_UPDATES.pt``, the last N, an optional upper bound) and the same arithmetic

@@ -1,6 +1,6 @@
 """Attention redundancy: LR (within a layer) and HR (between all heads of the model).
 
-DMA paper (Chien & Huang), section 5, after Tables 2-3 and Fig. 3; definitions in DESIGN.md,
+DMA paper (Chien & Huang), section 5, after Tables 2-3 and Fig. 3; definitions in docs/design.md,
 "Evaluation definitions". For one query row, let A^1..A^H be the attention distributions of a
 layer's H heads over the same keys, entropies in bits (0 log 0 = 0):
 

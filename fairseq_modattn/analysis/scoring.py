@@ -1,4 +1,4 @@
-"""BLEU the way the paper reports it (DESIGN.md, "Evaluation definitions").
+"""BLEU the way the paper reports it (docs/design.md, "Evaluation definitions").
 
 * tokenized BLEU as fairseq prints it: ``fairseq-generate``'s ``BLEU4 = ...`` line, or
   :func:`tokenized_bleu`, which runs fairseq's own scorer exactly as ``fairseq-score`` does;

@@ -41,7 +41,7 @@ def redundancy_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fairseq-modattn redundancy",
         description="Attention redundancy LR (within layers) and HR (between all heads) of a checkpoint "
-        "over a data split, as defined in DESIGN.md 'Evaluation definitions'; lower is less redundant.",
+        'over a data split, as defined in docs/design.md, "Evaluation definitions"; lower is less redundant.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_model_args(p)

@@ -1,13 +1,14 @@
 """``fairseq-modattn average`` and ``fairseq-modattn evaluate``: the paper's evaluation protocol.
 
 ``average`` is fairseq's ``scripts/average_checkpoints.py`` (not in the pip package) with the
-same flags. ``evaluate`` does what DESIGN.md's "Evaluation definitions" ask for in one command:
-average the last N epoch checkpoints, run the real ``fairseq-generate`` (beam 5,
+same flags. ``evaluate`` does what docs/design.md, "Evaluation definitions", asks for in one
+command: average the last N epoch checkpoints, run the real ``fairseq-generate`` (beam 5,
 ``--remove-bpe``) on a split, check that every sentence of the split was translated (fairseq
-main silently drops batches, DESIGN.md), and report fairseq's tokenized BLEU, detokenized
-sacreBLEU with its signature and, for WMT14, compound-split BLEU, in a JSON file, with the
-generation options fairseq-generate ran with (arguments after ``--`` included). sacreBLEU of a
-lower-cased system against true-case references is case-insensitive unless ``--case-sensitive``.
+main silently drops batches: docs/design.md, "fairseq pitfalls"), and report fairseq's tokenized
+BLEU, detokenized sacreBLEU with its signature and, for WMT14, compound-split BLEU, in a JSON
+file, with the generation options fairseq-generate ran with (arguments after ``--`` included).
+sacreBLEU of a lower-cased system against true-case references is case-insensitive unless
+``--case-sensitive``.
 """
 
 import argparse
@@ -205,7 +206,7 @@ def _check_every_sentence_translated(result: scoring.GenerateResult, expected: i
         f"fairseq-generate translated {len(ids)} of the {expected} sentences of split {subset}{hint}; "
         "BLEU over a subset of the split is not comparable (sentences are dropped by "
         "--skip-invalid-size-inputs-valid-test / max positions, or by fairseq's dropped last batch, "
-        f"see DESIGN.md); full output in {output}")
+        f'see docs/design.md, "fairseq pitfalls"); full output in {output}')
 
 
 def _run_generate(command: List[str], output: Path, expected: int, log: Callable[[str], None]) -> str:

@@ -14,8 +14,8 @@
      attention, (H, T, S); a model whose decoder has one attention (LSTM, RIM-LSTM) gives its
      encoder-decoder attention as one layer with one head;
    * DMA: each head's token-GMM cluster probabilities of the query tokens P^q (T, C) and key
-     tokens P^k (S, C), and the semantic mask M = P^q (P^k)^T (T, S) (DESIGN.md, DMA), with the
-     mask weight gamma in force at inference;
+     tokens P^k (S, C), and the semantic mask M = P^q (P^k)^T (T, S) (docs/design.md, "DMA"),
+     with the mask weight gamma in force at inference;
    * TIM: the competition c (T, n_s) of every TIM layer;
    * RIMs: the activation of every RIM layer, (T, n), the fraction of directions in which each
      RIM was among the top k at each token.

@@ -40,7 +40,7 @@ of a sentence of n real tokens,
     L_Dqq            = mean_{h != h'} max(0, I_hh'),
 
 where p(q, c) = pi_c N(q; mu_c, sigma_c^2) is the query GMM's joint and Q^h' its posterior for
-head h'. Three deliberate departures from DESIGN.md's transcription of the paper:
+head h'. Three deliberate departures from a literal reading of the paper (docs/design.md, "DMA"):
     * the normaliser of p(. | c) uses head h's own joint, so that it is a distribution over the
       sentence's tokens (with h' there it is not normalised);
     * the negative-pair term (1/n) sum_j log S_ij of CLUB is kept. Without it (the paper drops

@@ -79,7 +79,7 @@ RECIPES: Dict[str, ModelRecipe] = {r.name: r for r in [
     ModelRecipe("dma_nc8", "DMA transformer, n_c = 8",
                 ["--arch", "dma_transformer_iwslt_de_en_tiny", *TRANSFORMER_SIZE, "--dma-clusters", "8"],
                 criterion="label_smoothed_cross_entropy_with_aux"),
-    ModelRecipe("talking_heads", "talking-heads attention in every attention",
+    ModelRecipe("talking_heads", "talking-heads attention in encoder self-attention (the default --th-attention)",
                 ["--arch", "talking_heads_transformer", *TRANSFORMER_SIZE]),
     # --tim-encoder-layers auto would leave a 2-layer encoder without TIM layers (it keeps the
     # first two standard); the second layer becomes TIM, widened to the standard layer's size

@@ -53,12 +53,21 @@ def add_common_args(parser: argparse.ArgumentParser, default_dest: str):
     return g
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" only to help texts that do not already state their default."""
+
+    def _get_help_string(self, action):
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(name: str, prog: str = None) -> argparse.ArgumentParser:
     """The full argument parser of recipe NAME."""
     mod = recipe_module(name)
     parser = argparse.ArgumentParser(
         prog=prog or f"fairseq-modattn prepare {name}", description=mod.DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     add_common_args(parser, mod.DEFAULT_DEST)
     mod.add_args(parser)
     return parser

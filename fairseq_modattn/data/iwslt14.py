@@ -95,9 +95,9 @@ def prepare(args) -> P.Summary:
     archive = args.archive
     if archive is None:
         archive = P.fetch_raw_files([ARCHIVE], args.raw_dir, download=not args.no_download)[ARCHIVE.name]
-    elif Path(archive).is_dir():
-        raise P.DataError("--archive: is a directory, expected a file (the de-en.tgz archive)", archive)
-    elif not Path(archive).is_file():
+    else:
+        P.refuse_non_file(archive, "--archive: the de-en.tgz archive")
+    if not Path(archive).is_file():
         raise P.DataError(f"--archive: file not found; download it from {ARCHIVE.url}", archive)
     files = extract(Path(archive), work / "orig", steps)
     tok = work / "tok"

@@ -141,10 +141,9 @@ def iter_lines(path: PathLike, allow_empty: bool = False) -> Iterator[str]:
     the line).
     """
     path = Path(path)
-    if not path.is_file():
-        if not path.exists():
-            raise DataError("file not found", path)
-        raise DataError("is a directory, expected a file" if path.is_dir() else "not a regular file", path)
+    if not path.exists():
+        raise DataError("file not found", path)
+    refuse_non_file(path)
     lineno = 0
     try:
         with _open_bytes(path) as f:
@@ -169,6 +168,15 @@ def iter_lines(path: PathLike, allow_empty: bool = False) -> Iterator[str]:
                         path, lineno + 1 if lineno else None) from None
     if lineno == 0 and not allow_empty:
         raise DataError("file is empty; expected one sentence per line", path)
+
+
+def refuse_non_file(path: PathLike, what: str = ""):
+    """DataError if PATH exists but is not a regular file (a folder where a raw file belongs is
+    otherwise reported as missing); WHAT says what the file should be."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        kind = "is a directory" if path.is_dir() else "is not a regular file"
+        raise DataError(f"{kind}, expected a file{f' ({what})' if what else ''}", path)
 
 
 def read_lines(path: PathLike, allow_empty: bool = False) -> List[str]:
@@ -761,10 +769,7 @@ def fetch_raw_files(files: Sequence[RawFile], raw_dir: PathLike, download: bool 
     found, missing = {}, []
     offline = False
     for f in files:  # a folder (or fifo...) where a file belongs: say so, before any work
-        path = raw_dir / f.name
-        if path.exists() and not path.is_file():
-            raise DataError("is a directory, expected a file" if path.is_dir() else
-                            "not a regular file, expected a file", path)
+        refuse_non_file(raw_dir / f.name)
     for f in files:
         path = raw_dir / f.name
         if path.is_file():

@@ -96,9 +96,7 @@ def locate_members(members: Sequence[Member], archives: Dict[str, Archive], raw_
     need: Dict[str, List[Member]] = {}
     for m in members:
         for cand in _candidates(raw_dir, m):
-            if cand.exists() and not cand.is_file():
-                raise DataError("is a directory, expected a file (an extracted member of "
-                                f"{m.archive_name})" if cand.is_dir() else "not a regular file", cand)
+            P.refuse_non_file(cand, f"an extracted member of {m.archive_name}")
             if cand.is_file():
                 found[m.path] = cand
                 break

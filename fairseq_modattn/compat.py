@@ -77,8 +77,8 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    a complete torch archive, the wrapper raises ``DamagedCheckpointError`` whose one line names
    the file and the newest intact ``checkpoint_E_U.pt`` / ``checkpointE.pt`` /
    ``checkpoint_best.pt`` of its folder to restore from; an uncaught one is printed as that
-   line alone (``sys.excepthook``, for this exception class only). The package's own loaders
-   (``analysis.checkpoints``, ``analysis.loading``) report the same line.
+   line alone (``sys.excepthook``, for this exception class and fix 10's only). The package's
+   own loaders (``analysis.checkpoints``, ``analysis.loading``) report the same line.
 
 8. ``fairseq-score`` (fairseq 0.12 ``fairseq_cli/score.py``) calls
    ``sacrebleu.corpus_bleu(file, [file])``, which sacrebleu >= 2.0 refuses ("Each element of
@@ -88,6 +88,34 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    ``fairseq-modattn score`` runs fairseq's own ``cli_main`` (same flags, same output) with
    both calls adjusted for its duration only (``fairseq_score_adjusted``), each adjustment
    applied only when the installed sacrebleu / fairseq shows the behaviour.
+
+9. fairseq 0.12 ``tasks/text_to_speech.py`` (as installed by ``fairseq-fixed`` 0.12.3.1) tries
+   ``from tensorboardX import SummaryWriter`` when it is imported, which ``import fairseq``
+   always does, and without tensorboardX logs "Please install tensorboardX: pip install
+   tensorboardX" at INFO. The speech task is the only one that uses that writer, so every
+   ``fairseq-modattn`` command printed a line about a package that translation does not need
+   before its help or its one-line error. A logging filter on that task's logger drops that
+   one record (``DropTensorboardXNotice``); it is attached before this module imports fairseq,
+   and only where the installed file logs the notice (read as text, not imported). Nothing else
+   changes: the import is still tried, and ``--tensorboard-logdir`` (fairseq's
+   ``logging/progress_bar.py``, which takes ``torch.utils.tensorboard`` and else tensorboardX)
+   still writes its event files once either is installed (``pip install
+   'fairseq-modattn[tensorboard]'``), or warns that it is missing. fairseq's own commands
+   (``fairseq-train``, ``fairseq-generate``) import fairseq before ``--user-dir`` loads this
+   package, so they still print the notice.
+
+10. fairseq 0.12 ``models.build_model``, given a model type that nothing registers (a checkpoint
+   of another plugin loaded without that plugin's ``--user-dir``, or any architecture name no
+   loaded code defines), fails on its own assertion: the message is an f-string holding the
+   model config, joined to ``"Available models: {}"`` and then ``.format``-ted, and the braces
+   in the config's text (every fairseq config holds ``eval_bleu_args='{}'``) break that
+   formatting, so the command ends, deep in a traceback, with ``IndexError: Replacement index 1
+   out of range for positional args tuple`` instead of the model's name. The wrapper looks the
+   model type up first and raises ``UnknownArchitectureError``, one line naming it and saying
+   which ``--user-dir`` is missing (printed as that line alone by fix 7's ``sys.excepthook``; the
+   package's loaders report it as their one-line error). A checkpoint of THIS plugin loaded
+   without ``--user-dir`` never imports this module: README.md, "Troubleshooting", quotes what
+   fairseq prints then.
 """
 
 import argparse
@@ -105,11 +133,52 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
-from fairseq import checkpoint_utils
-from fairseq.data import data_utils
-from fairseq.distributed import utils as distributed_utils
 
 logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------ 9. the tensorboardX notice
+# Placed before this module's first import of fairseq (fairseq/__init__.py imports its tasks,
+# and the notice is logged while fairseq.tasks.text_to_speech is being imported).
+TENSORBOARDX_NOTICE = "Please install tensorboardX"
+_TEXT_TO_SPEECH_LOGGER = "fairseq.tasks.text_to_speech"
+
+
+def _logs_tensorboardx_notice() -> bool:
+    """Whether the installed fairseq's ``tasks/text_to_speech.py`` logs the notice; its source is
+    read as a file, since importing it (or anything of fairseq) would log the notice."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("fairseq")  # finds the package without importing it
+        folder = list(spec.submodule_search_locations)[0]
+        source = Path(folder, "tasks", "text_to_speech.py").read_text(encoding="utf-8")
+    except (ImportError, AttributeError, TypeError, IndexError, ValueError, OSError):
+        return False
+    return TENSORBOARDX_NOTICE in source
+
+
+class DropTensorboardXNotice(logging.Filter):
+    """Drops the one record "Please install tensorboardX: pip install tensorboardX" that fairseq's
+    text_to_speech task logs when imported; every other record of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == _TEXT_TO_SPEECH_LOGGER and str(record.msg).startswith(TENSORBOARDX_NOTICE))
+
+
+def _drops_tensorboardx_notice(log: logging.Logger) -> bool:
+    return any(type(f).__name__ == DropTensorboardXNotice.__name__ for f in log.filters)
+
+
+# A logger's filters see the records logged on that logger itself, which is where the notice is
+# logged; the filter stays attached, so the notice is dropped whenever fairseq is imported later.
+if not _drops_tensorboardx_notice(logging.getLogger(_TEXT_TO_SPEECH_LOGGER)) and _logs_tensorboardx_notice():
+    logging.getLogger(_TEXT_TO_SPEECH_LOGGER).addFilter(DropTensorboardXNotice())
+
+from fairseq import checkpoint_utils  # noqa: E402  (after fix 9, which must precede fairseq's import)
+from fairseq.data import data_utils  # noqa: E402
+from fairseq.distributed import utils as distributed_utils  # noqa: E402
+from fairseq import models as fairseq_models  # noqa: E402
 
 
 def _source_of(function) -> str:
@@ -485,15 +554,26 @@ def _loads_without_checking_file(load_checkpoint_to_cpu) -> bool:
 
 
 def _report_damaged_checkpoint(exc_type, exc, tb):
-    """sys.excepthook: a DamagedCheckpointError that ends a command is printed as its one line
-    (``fairseq-train: error: checkpoint ... is damaged ...``); anything else as before."""
-    if isinstance(exc, DamagedCheckpointError):
+    """sys.excepthook: a DamagedCheckpointError (fix 7) or UnknownArchitectureError (fix 10) that
+    ends a command is printed as its one line (``fairseq-train: error: checkpoint ... is damaged
+    ...``); anything else as before."""
+    if isinstance(exc, (DamagedCheckpointError, UnknownArchitectureError)):
         print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {exc}", file=sys.stderr)
     else:
         _PREVIOUS_EXCEPTHOOK(exc_type, exc, tb)
 
 
 _PREVIOUS_EXCEPTHOOK = sys.__excepthook__
+
+
+def _install_one_line_excepthook():
+    """Puts ``_report_damaged_checkpoint`` in front of the current sys.excepthook, once."""
+    global _PREVIOUS_EXCEPTHOOK
+    if getattr(sys.excepthook, "__qualname__", "") != _report_damaged_checkpoint.__qualname__:
+        _PREVIOUS_EXCEPTHOOK = sys.excepthook
+        sys.excepthook = _report_damaged_checkpoint
+
+
 _FAIRSEQ_LOAD_CHECKPOINT_TO_CPU = checkpoint_utils.load_checkpoint_to_cpu
 # Trainer.load_checkpoint calls checkpoint_utils.load_checkpoint_to_cpu, and
 # load_model_ensemble_and_task (fairseq-generate, -interactive, our analysis loader) calls it as
@@ -501,9 +581,7 @@ _FAIRSEQ_LOAD_CHECKPOINT_TO_CPU = checkpoint_utils.load_checkpoint_to_cpu
 if getattr(_FAIRSEQ_LOAD_CHECKPOINT_TO_CPU, "__module__", "") != __name__ and _loads_without_checking_file(
         _FAIRSEQ_LOAD_CHECKPOINT_TO_CPU):
     checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu_reporting_damage
-    if getattr(sys.excepthook, "__qualname__", "") != _report_damaged_checkpoint.__qualname__:
-        _PREVIOUS_EXCEPTHOOK = sys.excepthook
-        sys.excepthook = _report_damaged_checkpoint
+    _install_one_line_excepthook()
 
 
 def describe_load_failure(path, error: BaseException) -> str:
@@ -594,3 +672,50 @@ def fairseq_score(argv: List[str]) -> int:
     finally:
         sys.argv = saved_argv
     return 0
+
+
+# ------------------------------------------------------------------ 10. unknown architectures
+class UnknownArchitectureError(RuntimeError):
+    """A checkpoint (or ``--arch``) names a model architecture that nothing loaded registers; the
+    message is one line saying so and what to load."""
+
+
+def unknown_architecture_message(model_type: str) -> str:
+    """One line: MODEL_TYPE is registered by neither fairseq nor any loaded plugin, and why that
+    happens (a model of another plugin, whose ``--user-dir`` is missing)."""
+    import difflib
+
+    from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_DATACLASS_REGISTRY
+
+    known = sorted(set(ARCH_MODEL_REGISTRY) | set(MODEL_DATACLASS_REGISTRY))
+    close = difflib.get_close_matches(model_type, known, n=3)
+    message = (f"unknown model architecture {model_type!r}: neither fairseq nor the plugins loaded (fairseq_modattn) "
+               "register it; a checkpoint trained with another fairseq plugin needs that plugin's --user-dir too")
+    return message + (f" (similar registered names: {', '.join(close)})" if close else "")
+
+
+def build_model_naming_unknown_architecture(cfg, task, *args, **kwargs):
+    """fairseq's ``models.build_model`` (fix 10): a model type nothing registers raises
+    UnknownArchitectureError instead of fairseq's IndexError."""
+    from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_DATACLASS_REGISTRY
+
+    model_type = getattr(cfg, "_name", None) or getattr(cfg, "arch", None)  # as fairseq reads it
+    if isinstance(model_type, str) and model_type not in ARCH_MODEL_REGISTRY \
+            and model_type not in MODEL_DATACLASS_REGISTRY:
+        raise UnknownArchitectureError(unknown_architecture_message(model_type))
+    return _FAIRSEQ_BUILD_MODEL(cfg, task, *args, **kwargs)
+
+
+def _unknown_model_message_breaks(build_model) -> bool:
+    """fairseq 0.12's assertion message: an f-string with the config joined to a plain string
+    that is then ``.format``-ted, so the braces of the config's text break the formatting."""
+    source = _source_of(build_model)
+    return "from {cfg}" in source and '"Available models: {}".format(' in source
+
+
+_FAIRSEQ_BUILD_MODEL = fairseq_models.build_model
+# Every task builds its model through the module attribute (``from fairseq import models;
+# models.build_model(...)``, FairseqTask.build_model and the others), looked up at call time.
+if getattr(_FAIRSEQ_BUILD_MODEL, "__module__", "") != __name__ and _unknown_model_message_breaks(_FAIRSEQ_BUILD_MODEL):
+    fairseq_models.build_model = build_model_naming_unknown_architecture
+    _install_one_line_excepthook()

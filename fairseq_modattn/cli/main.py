@@ -51,6 +51,8 @@ def arch_flags_parser(arch: str, show_all: bool) -> argparse.ArgumentParser:
     """A parser holding ARCH's model flags, its defaults those the architecture sets."""
     from fairseq.models import ARCH_CONFIG_REGISTRY
 
+    from ..help_format import ArchDefaultsHelpFormatter
+
     model_cls = plugin_architectures()[arch]
     full = argparse.ArgumentParser(add_help=False)
     model_cls.add_args(full)
@@ -59,7 +61,7 @@ def arch_flags_parser(arch: str, show_all: bool) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog=f"fairseq-train DATA --user-dir fairseq_modattn --arch {arch}",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=ArchDefaultsHelpFormatter,
         add_help=False,
         description=f"Model flags of --arch {arch} (defaults are the architecture's).",
     )
@@ -107,7 +109,7 @@ def prepare(argv: List[str]) -> int:
         print(f"fairseq-modattn prepare: unknown corpus {argv[0]!r}; choose from: "
               f"{', '.join(sorted(data.RECIPES))}", file=sys.stderr)
         return 2
-    from fairseq_modattn.data.pipeline import DataError
+    from fairseq_modattn.data.errors import DataError
 
     try:
         data.prepare(argv[0], argv[1:])
@@ -146,7 +148,8 @@ def configure_logging():
     calls ``logging.basicConfig(level=DEBUG)`` when imported (importing this package imports it
     through ``fairseq.tasks``), which would put every library's DEBUG output (matplotlib's font
     search...) on the console; ``force`` replaces that configuration. The task's import-time
-    'Please install tensorboardX' notice concerns speech tasks only and is silenced."""
+    'Please install tensorboardX' notice is dropped by compat.py (fix 9) before fairseq is
+    imported, which this function runs too late to do."""
     import logging
 
     class CurrentStderr(logging.StreamHandler):
@@ -163,7 +166,6 @@ def configure_logging():
 
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, handlers=[CurrentStderr()], force=True)
-    logging.getLogger("fairseq.tasks.text_to_speech").setLevel(logging.WARNING)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

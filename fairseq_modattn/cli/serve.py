@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..demo.text import LOWERCASE, SUBWORDS, TOKENIZERS, subword_choice
+from ..help_format import DefaultsHelpFormatter
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fairseq-modattn serve",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         description="Serve a translation demo of one checkpoint: a page with the translation, a per-layer / "
                     "per-head attention heatmap and the method's own views (DMA clusters and semantic masks, "
                     "TIM competition, RIM activation), and its JSON API (POST /translate {\"text\": ...}).",

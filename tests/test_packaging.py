@@ -1,0 +1,88 @@
+"""Packaging files: CITATION.cff (the software and the four papers), LICENSE against the license
+pyproject.toml declares, the setup.py shim, and the extras the README names."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fairseq_modattn
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: title -> (family names of the authors in order, year, arXiv identifier or None)
+PAPERS = {
+    "Disentangled Mask Attention in Transformer": (["Chien", "Huang"], 2021, None),
+    "Talking-Heads Attention": (["Shazeer", "Lan", "Cheng", "Ding", "Hou"], 2020, "2003.02436"),
+    "Transformers with Competitive Ensembles of Independent Mechanisms":
+        (["Lamb", "He", "Goyal", "Ke", "Liao", "Ravanelli", "Bengio"], 2021, "2103.00336"),
+    "Recurrent Independent Mechanisms":
+        (["Goyal", "Lamb", "Hoffmann", "Sodhani", "Levine", "Bengio", "Schölkopf"], 2021, "1909.10893"),
+}
+
+
+def pyproject():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def citation():
+    """CITATION.cff parsed with PyYAML (which fairseq's omegaconf requires)."""
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load((REPO / "CITATION.cff").read_text(encoding="utf-8"))
+
+
+def test_citation_cites_this_software():
+    cff = citation()
+    assert cff["cff-version"] == "1.2.0"
+    assert cff["type"] == "software"
+    for key in ("message", "title", "authors"):  # required by CFF 1.2.0
+        assert cff[key], key
+    assert all("name" in a or "family-names" in a for a in cff["authors"])
+    assert str(cff["version"]) == fairseq_modattn.__version__
+    assert cff["license"] == "MIT"
+
+
+def test_citation_references_the_four_papers():
+    references = {ref["title"]: ref for ref in citation()["references"]}
+    assert set(references) == set(PAPERS)
+    for title, (family_names, year, arxiv) in PAPERS.items():
+        ref = references[title]
+        assert ref["type"] in ("article", "conference-paper", "unpublished"), title
+        assert [a["family-names"] for a in ref["authors"]] == family_names, title
+        assert all(a.get("given-names") for a in ref["authors"]), title
+        assert ref["year"] == year, title
+        if arxiv:
+            assert ref["url"] == f"https://arxiv.org/abs/{arxiv}"
+            assert {"type": "other", "value": f"arXiv:{arxiv}", "description": "arXiv identifier"} \
+                in ref["identifiers"]
+    assert "ICLR 2021" in references["Recurrent Independent Mechanisms"]["conference"]["name"]
+    assert references["Disentangled Mask Attention in Transformer"]["url"].startswith("https://openreview.net/")
+
+
+def test_license_is_the_mit_license_pyproject_declares():
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert text.startswith("MIT License\n")
+    assert "Copyright (c) 2026 the fairseq_modattn authors" in text
+    assert 'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND' in text
+    project = pyproject()["project"]
+    assert project["license"] == "MIT"
+    assert project["license-files"] == ["LICENSE"]
+
+
+def test_extras():
+    extras = pyproject()["project"]["optional-dependencies"]
+    assert extras["tensorboard"] == ["tensorboardX"]
+    assert "tensorboardX" in extras["test"]  # so the TensorBoard test runs where the suite does
+
+
+def test_setup_py_shim_reads_pyproject():
+    shim = (REPO / "setup.py").read_text(encoding="utf-8")
+    assert re.search(r"^from setuptools import setup$", shim, re.MULTILINE)
+    assert re.search(r"^setup\(\)$", shim, re.MULTILINE)
+    proc = subprocess.run([sys.executable, "setup.py", "--version"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == fairseq_modattn.__version__

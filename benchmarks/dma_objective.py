@@ -46,8 +46,8 @@ import torch
 
 import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError
+from fairseq_modattn.atomic_files import write_json_atomically
 from fairseq_modattn.cli import runs
-from fairseq_modattn.cli.evaluate import write_json_atomically
 from fairseq_modattn.cli.model_recipes import RECIPES, TRAIN_FLAGS, ModelRecipe
 
 ATTENTIONS = ("enc_self", "dec_self", "enc_dec")

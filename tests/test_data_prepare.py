@@ -18,8 +18,13 @@ import pytest
 
 from conftest import REPO
 from fairseq_modattn import data
-from fairseq_modattn.data import iwslt14
-from fairseq_modattn.data import pipeline as P
+from fairseq_modattn.atomic_files import _write_lines_now, load_json, write_lines
+from fairseq_modattn.data import iwslt14, subwords
+from fairseq_modattn.data.downloads import RawFile, fetch_raw_files
+from fairseq_modattn.data.errors import DataError
+from fairseq_modattn.data.moses import clean_corpus, tokenize
+from fairseq_modattn.data.readers import count_lines, read_lines, read_parallel, read_segments, strip_metadata
+from fairseq_modattn.data.steps import Steps
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -140,63 +145,63 @@ def iwslt_run(iwslt_dir, tmp_path_factory):
 # ------------------------------------------------------------------------------------ pipeline
 
 def test_read_lines_errors(tmp_path):
-    with pytest.raises(P.DataError, match=re.escape(str(tmp_path / "none.txt")) + ".*not found"):
-        P.read_lines(tmp_path / "none.txt")
+    with pytest.raises(DataError, match=re.escape(str(tmp_path / "none.txt")) + ".*not found"):
+        read_lines(tmp_path / "none.txt")
     (tmp_path / "empty.txt").write_bytes(b"")
-    with pytest.raises(P.DataError, match="empty.txt: file is empty"):
-        P.read_lines(tmp_path / "empty.txt")
+    with pytest.raises(DataError, match="empty.txt: file is empty"):
+        read_lines(tmp_path / "empty.txt")
     (tmp_path / "bad.txt").write_bytes("eins\nzwei\ndr\xc3\xa4i \xe4\nvier\n".encode("latin-1"))
-    with pytest.raises(P.DataError, match=r"bad\.txt:3: not valid UTF-8"):
-        P.read_lines(tmp_path / "bad.txt")
+    with pytest.raises(DataError, match=r"bad\.txt:3: not valid UTF-8"):
+        read_lines(tmp_path / "bad.txt")
     (tmp_path / "bad.gz").write_bytes(b"not gzip at all")
-    with pytest.raises(P.DataError, match=r"bad\.gz"):
-        P.read_lines(tmp_path / "bad.gz")
+    with pytest.raises(DataError, match=r"bad\.gz"):
+        read_lines(tmp_path / "bad.gz")
     # U+2028 stays inside its line; CRLF is a line end; .gz is read transparently
     with gzip.open(tmp_path / "ok.gz", "wb") as f:
         f.write("a\u2028b\r\nc\n".encode())
-    assert P.read_lines(tmp_path / "ok.gz") == ["a\u2028b", "c"]
+    assert read_lines(tmp_path / "ok.gz") == ["a\u2028b", "c"]
 
 
 def test_read_parallel_mismatch_names_both_files(tmp_path):
-    P.write_lines(tmp_path / "a.de", ["x", "y", "z"])
-    P.write_lines(tmp_path / "a.en", ["x", "y"])
-    with pytest.raises(P.DataError) as e:
-        P.read_parallel(tmp_path / "a.de", tmp_path / "a.en")
+    write_lines(tmp_path / "a.de", ["x", "y", "z"])
+    write_lines(tmp_path / "a.en", ["x", "y"])
+    with pytest.raises(DataError) as e:
+        read_parallel(tmp_path / "a.de", tmp_path / "a.en")
     assert f"3 lines in {tmp_path / 'a.de'}" in str(e.value) and f"2 lines in {tmp_path / 'a.en'}" in str(e.value)
 
 
 def test_segments_and_metadata(iwslt_dir):
-    segs = P.read_segments(iwslt_dir / "IWSLT16.TED.dev2010.de-en.en.xml")
+    segs = read_segments(iwslt_dir / "IWSLT16.TED.dev2010.de-en.en.xml")
     assert len(segs) == n_segs(iwslt_dir / "IWSLT16.TED.dev2010.de-en.en.xml") == 887
     assert segs[0].startswith("You know, one of the intense") and not segs[0].endswith(" ")
     assert all("<" not in s for s in segs)
     lines = ["<url>u</url>", " <talkid>1</talkid>", "Hallo Welt .", "<title>T</title>", "</doc>", "x <b>"]
-    assert P.strip_metadata(lines) == ["Hallo Welt .", "x <b>"]
+    assert strip_metadata(lines) == ["Hallo Welt .", "x <b>"]
 
 
 def test_clean_corpus_like_moses():
     src = ["a b c", "a", "", " ".join("w" * 1 for _ in range(176)), "a b", "a b c d e f"]
     tgt = ["a b c", "a b", "x", "y", "a b c", "a b c d"]
-    s, t, st = P.clean_corpus(src, tgt, ratio=1.5, min_len=1, max_len=175)
+    s, t, st = clean_corpus(src, tgt, ratio=1.5, min_len=1, max_len=175)
     assert s == ["a b c", "a b", "a b c d e f"] and t == ["a b c", "a b c", "a b c d"]
     assert (st.too_short, st.too_long, st.bad_ratio, st.kept) == (1, 1, 1, 3)
 
 
 def test_tokenize_workers_and_dashes():
     lines = [f"Hello, world-wide \"thing\" & co. number {i}!" for i in range(2500)]
-    one = P.tokenize(lines, "en", lower=True, aggressive_dash_splits=True)
+    one = tokenize(lines, "en", lower=True, aggressive_dash_splits=True)
     assert one[0] == "hello , world @-@ wide &quot; thing &quot; &amp; co. number 0 !"
-    assert P.tokenize(lines, "en", lower=True, aggressive_dash_splits=True, workers=2) == one
+    assert tokenize(lines, "en", lower=True, aggressive_dash_splits=True, workers=2) == one
 
 
 def test_steps_resume_and_interrupt(tmp_path):
-    steps = P.Steps(tmp_path / "work", log=lambda m: None)
-    P.write_lines(tmp_path / "in.txt", ["a", "b"])
+    steps = Steps(tmp_path / "work", log=lambda m: None)
+    write_lines(tmp_path / "in.txt", ["a", "b"])
     calls = []
 
     def copy(out):
         calls.append(1)
-        P._write_lines_now(out, P.read_lines(tmp_path / "in.txt") * 2)
+        _write_lines_now(out, read_lines(tmp_path / "in.txt") * 2)
 
     def broken(out):
         out.write_text("half")
@@ -204,31 +209,31 @@ def test_steps_resume_and_interrupt(tmp_path):
 
     assert steps.run("copy", [tmp_path / "out.txt"], copy, inputs=[tmp_path / "in.txt"])
     assert not steps.run("copy", [tmp_path / "out.txt"], copy, inputs=[tmp_path / "in.txt"])
-    P.write_lines(tmp_path / "in.txt", ["a", "c"])  # a changed input reruns the step
+    write_lines(tmp_path / "in.txt", ["a", "c"])  # a changed input reruns the step
     assert steps.run("copy", [tmp_path / "out.txt"], copy, inputs=[tmp_path / "in.txt"])
     (tmp_path / "out.txt").write_text("truncated")  # a changed output reruns it too
     assert steps.run("copy", [tmp_path / "out.txt"], copy, inputs=[tmp_path / "in.txt"])
-    assert len(calls) == 3 and P.read_lines(tmp_path / "out.txt") == ["a", "c", "a", "c"]
+    assert len(calls) == 3 and read_lines(tmp_path / "out.txt") == ["a", "c", "a", "c"]
     with pytest.raises(RuntimeError, match="killed"):
         steps.run("other", [tmp_path / "other.txt"], broken)
     assert not (tmp_path / "other.txt").exists() and not steps.marker("other").exists()
     assert leftovers(tmp_path) == []
     (tmp_path / ".other.txt.tmp-99999").write_text("left by a process killed with SIGKILL")
     assert steps.run("other", [tmp_path / "other.txt"], copy)
-    assert leftovers(tmp_path) == [] and P.read_lines(tmp_path / "other.txt") == ["a", "c", "a", "c"]
+    assert leftovers(tmp_path) == [] and read_lines(tmp_path / "other.txt") == ["a", "c", "a", "c"]
 
 
 def test_fetch_raw_files_offline_message(tmp_path):
-    files = [P.RawFile("a.tgz", url="http://127.0.0.1:9/a.tgz"), P.RawFile("b.gz", url="http://127.0.0.1:9/b.gz")]
+    files = [RawFile("a.tgz", url="http://127.0.0.1:9/a.tgz"), RawFile("b.gz", url="http://127.0.0.1:9/b.gz")]
     (tmp_path / "b.gz").write_bytes(b"12345")
-    with pytest.raises(P.DataError) as e:
-        P.fetch_raw_files(files, tmp_path, download=True, log=lambda m: None)
+    with pytest.raises(DataError) as e:
+        fetch_raw_files(files, tmp_path, download=True, log=lambda m: None)
     msg = str(e.value)
     assert str(tmp_path / "a.tgz") in msg and "http://127.0.0.1:9/a.tgz" in msg and "b.gz" not in msg
     assert not (tmp_path / "a.tgz").exists() and leftovers(tmp_path) == []
-    with pytest.raises(P.DataError, match="has 5 bytes, expected 6"):
-        P.fetch_raw_files([P.RawFile("b.gz", size=6)], tmp_path, download=False)
-    assert P.fetch_raw_files([P.RawFile("b.gz", size=5)], tmp_path) == {"b.gz": tmp_path / "b.gz"}
+    with pytest.raises(DataError, match="has 5 bytes, expected 6"):
+        fetch_raw_files([RawFile("b.gz", size=6)], tmp_path, download=False)
+    assert fetch_raw_files([RawFile("b.gz", size=5)], tmp_path) == {"b.gz": tmp_path / "b.gz"}
 
 
 def test_fetch_raw_files_downloads_and_checks(tmp_path):
@@ -249,12 +254,12 @@ def test_fetch_raw_files_downloads_and_checks(tmp_path):
     url = f"http://127.0.0.1:{server.server_address[1]}/train.de.gz"
     raw = tmp_path / "raw"
     try:
-        with pytest.raises(P.DataError, match="sha256 differs"):
-            P.fetch_raw_files([P.RawFile("train.de.gz", url=url, sha256="0" * 64)], raw, log=lambda m: None)
+        with pytest.raises(DataError, match="sha256 differs"):
+            fetch_raw_files([RawFile("train.de.gz", url=url, sha256="0" * 64)], raw, log=lambda m: None)
         assert not (raw / "train.de.gz").exists() and leftovers(tmp_path) == []
-        good = P.RawFile("train.de.gz", url=url, size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
-        assert P.fetch_raw_files([good], raw, log=lambda m: None) == {"train.de.gz": raw / "train.de.gz"}
-        assert (raw / "train.de.gz").read_bytes() == blob and P.read_lines(raw / "train.de.gz")[0] == "ein satz"
+        good = RawFile("train.de.gz", url=url, size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+        assert fetch_raw_files([good], raw, log=lambda m: None) == {"train.de.gz": raw / "train.de.gz"}
+        assert (raw / "train.de.gz").read_bytes() == blob and read_lines(raw / "train.de.gz")[0] == "ein satz"
     finally:
         server.shutdown()
         server.server_close()
@@ -271,23 +276,23 @@ def test_iwslt14_split_sizes_and_cleaning(iwslt_run, iwslt_dir):
     assert summary.sentences == {"train": len(kept) - n_valid, "valid": n_valid, "test": test_size}
     assert summary.dropped == planted
     tok = root / "bin.work" / "tok"
-    assert P.read_lines(tok / "valid.de") == [s for s, _ in kept[22::23]]
-    assert P.read_lines(tok / "train.en") == [t for i, (_, t) in enumerate(kept) if i % 23 != 22]
-    test_en = P.read_lines(tok / "test.en")
-    first = P.read_segments(iwslt_dir / "IWSLT16.TED.dev2010.de-en.en.xml")[0]
-    assert test_en[0] == P.tokenize([first], "en", lower=True)[0]
-    assert test_en[887] == P.tokenize(P.read_segments(iwslt_dir / "IWSLT16.TEDX.dev2012.de-en.en.xml")[:1],
-                                      "en", lower=True)[0]
+    assert read_lines(tok / "valid.de") == [s for s, _ in kept[22::23]]
+    assert read_lines(tok / "train.en") == [t for i, (_, t) in enumerate(kept) if i % 23 != 22]
+    test_en = read_lines(tok / "test.en")
+    first = read_segments(iwslt_dir / "IWSLT16.TED.dev2010.de-en.en.xml")[0]
+    assert test_en[0] == tokenize([first], "en", lower=True)[0]
+    assert test_en[887] == tokenize(read_segments(iwslt_dir / "IWSLT16.TEDX.dev2012.de-en.en.xml")[:1],
+                                    "en", lower=True)[0]
     assert all(s == s.lower() for s in test_en)
-    bpe_train = P.read_lines(root / "bin.work" / "bpe" / "train.de")
-    assert any("@@ " in s for s in P.read_lines(root / "bin.work" / "bpe" / "test.de"))
+    bpe_train = read_lines(root / "bin.work" / "bpe" / "train.de")
+    assert any("@@ " in s for s in read_lines(root / "bin.work" / "bpe" / "test.de"))
     assert len(bpe_train) == summary.sentences["train"]
     dest = root / "bin"
     for split in ("train", "valid", "test"):
         for lang in ("de", "en"):
             assert (dest / f"{split}.de-en.{lang}.bin").stat().st_size > 0
     assert (dest / "dict.de.txt").read_bytes() == (dest / "dict.en.txt").read_bytes()  # joined
-    assert (dest / "code").is_file() and summary.vocab["de"] == P.count_lines(dest / "dict.de.txt") + 4 > 30
+    assert (dest / "code").is_file() and summary.vocab["de"] == count_lines(dest / "dict.de.txt") + 4 > 30
     assert leftovers(root) == []
 
 
@@ -298,12 +303,12 @@ def test_iwslt14_data_bin_loads_in_fairseq(iwslt_run):
     d = Dictionary.load(str(dest / "dict.de.txt"))
     ds = data_utils.load_indexed_dataset(str(dest / "valid.de-en.de"), d)
     assert len(ds) == iwslt_run[2].sentences["valid"]
-    assert d.string(ds[0]) == P.read_lines(iwslt_run[0] / "bin.work" / "bpe" / "valid.de")[0]
+    assert d.string(ds[0]) == read_lines(iwslt_run[0] / "bin.work" / "bpe" / "valid.de")[0]
 
 
 def test_iwslt14_rerun_after_interruption_is_byte_identical(iwslt_run, tmp_path, monkeypatch):
     reference, archive, _ = iwslt_run
-    real = P.apply_bpe
+    real = subwords.apply_bpe
 
     def dies_midway(lines, codes):
         out = real(lines, codes)
@@ -311,12 +316,12 @@ def test_iwslt14_rerun_after_interruption_is_byte_identical(iwslt_run, tmp_path,
             raise KeyboardInterrupt("simulated kill in subword-apply")
         return out
 
-    monkeypatch.setattr(P, "apply_bpe", dies_midway)
+    monkeypatch.setattr(subwords, "apply_bpe", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         run_iwslt(tmp_path, archive)
-    monkeypatch.setattr(P, "apply_bpe", real)
+    monkeypatch.setattr(subwords, "apply_bpe", real)
     work = tmp_path / "bin.work"
-    steps = P.Steps(work)
+    steps = Steps(work)
     assert steps.marker("train").exists() and not steps.marker("subword-apply").exists()
     assert not (work / "bpe" / "train.de").exists() and not (tmp_path / "bin").exists()
     assert leftovers(tmp_path) == []
@@ -336,8 +341,8 @@ def test_iwslt14_separate_vocab(iwslt_run, tmp_path):
                         "--tgt-bpe-size", "200")
     dest = tmp_path / "bin"
     assert (dest / "code.de").is_file() and (dest / "code.en").is_file()
-    assert summary.vocab["de"] == P.count_lines(dest / "dict.de.txt") + 4
-    assert summary.vocab["en"] == P.count_lines(dest / "dict.en.txt") + 4
+    assert summary.vocab["de"] == count_lines(dest / "dict.de.txt") + 4
+    assert summary.vocab["en"] == count_lines(dest / "dict.en.txt") + 4
     assert "die" in (dest / "dict.de.txt").read_text() and "die" not in (dest / "dict.en.txt").read_text()
     assert (dest / "dict.de.txt").read_bytes() != (dest / "dict.en.txt").read_bytes()
 
@@ -371,7 +376,7 @@ def test_iwslt14_bad_input(problem, iwslt_dir, tmp_path):
                 tar.addfile(info, io.BytesIO(blob))
         assert archive.read_bytes() != raw
         pattern = rf"train\.tags\.de-en\.de:{bad_line}: not valid UTF-8"
-    with pytest.raises(P.DataError, match=pattern):
+    with pytest.raises(DataError, match=pattern):
         run_iwslt(tmp_path, archive)
     assert not (tmp_path / "bin").exists() and leftovers(tmp_path) == []
     work = tmp_path / "bin.work"
@@ -379,7 +384,7 @@ def test_iwslt14_bad_input(problem, iwslt_dir, tmp_path):
 
 
 def test_iwslt14_offline_message_lists_archive(tmp_path):
-    with pytest.raises(P.DataError) as e:
+    with pytest.raises(DataError) as e:
         data.prepare("iwslt14", ["--raw-dir", str(tmp_path / "raw"), "--dest", str(tmp_path / "bin"),
                                  "--no-download"])
     assert str(tmp_path / "raw" / "de-en.tgz") in str(e.value) and iwslt14.ARCHIVE.url in str(e.value)
@@ -397,7 +402,7 @@ def test_multi30k_cli_and_script(multi30k_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sentences: train 300, valid 1,014, test 1,000" in proc.stdout
-    summary = P.load_json(tmp_path / "summary.json")
+    summary = load_json(tmp_path / "summary.json")
     assert summary["sentences"] == {"train": 300, "valid": 1014, "test": 1000}
     assert summary["vocab"]["de"] == summary["vocab"]["en"] > 50
     assert (dest / "code").is_file() and (dest / "train.de-en.en.idx").is_file()
@@ -415,9 +420,9 @@ def test_multi30k_sentencepiece_separate(multi30k_dir, tmp_path):
         "--no-download"])
     assert summary.sentences == {"train": 400, "valid": 1014, "test": 1000}
     assert (tmp_path / "bin" / "spm.de.model").is_file() and (tmp_path / "bin" / "spm.en.model").is_file()
-    first = P.read_lines(tmp_path / "bin.work" / "spm" / "valid.en")[0]
+    first = read_lines(tmp_path / "bin.work" / "spm" / "valid.en")[0]
     assert "\u2581" in first and first.replace(" ", "").replace("\u2581", " ").strip() == \
-        P.read_lines(tmp_path / "bin.work" / "tok" / "valid.en")[0]
+        read_lines(tmp_path / "bin.work" / "tok" / "valid.en")[0]
     assert summary.vocab["en"] <= 250 + 4 + 8
 
 
@@ -442,7 +447,7 @@ def test_multi30k_bad_input(problem, multi30k_dir, tmp_path):
         lines[41] = "Ein Mann läuft.\n".encode("latin-1")
         (raw / "val.de.gz").write_bytes(gzip.compress(b"".join(lines)))
         pattern = r"val\.de\.gz:42: not valid UTF-8"
-    with pytest.raises(P.DataError, match=re.compile(pattern, re.S)):
+    with pytest.raises(DataError, match=re.compile(pattern, re.S)):
         data.prepare("multi30k", ["--raw-dir", str(raw), "--dest", str(tmp_path / "bin"),
                                   "--max-train-sentences", "50", "--no-download"])
     assert not (tmp_path / "bin").exists() and leftovers(tmp_path) == []

@@ -19,7 +19,8 @@ import pytest
 
 from fairseq_modattn import data
 from fairseq_modattn.data import iwslt14
-from fairseq_modattn.data import pipeline as P
+from fairseq_modattn.data.manifest import MANIFEST, read_manifest
+from fairseq_modattn.data.readers import read_lines
 from fairseq_modattn.data.text_settings import TextSettings
 from fairseq_modattn.demo.text import TextPipeline
 
@@ -165,7 +166,7 @@ def demo_text(dest: Path, languages=None, **flags) -> TextPipeline:
     from fairseq.data import Dictionary
 
     if languages is None:
-        manifest = P.read_manifest(dest)
+        manifest = read_manifest(dest)
         languages = manifest["src"], manifest["tgt"]
     src, tgt = languages
     src_dict, tgt_dict = (Dictionary.load(str(dest / f"dict.{lang}.txt")) for lang in (src, tgt))
@@ -177,7 +178,7 @@ def demo_text(dest: Path, languages=None, **flags) -> TextPipeline:
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_served_tokens_equal_the_prepared_test_split(prepared, recipe):
     dest, work, src, raw_test, text_dir = prepared[recipe]
-    binarised = P.read_lines(work / text_dir / f"test.{src}")
+    binarised = read_lines(work / text_dir / f"test.{src}")
     assert len(binarised) == len(raw_test)
     text = demo_text(dest)
     assert text.describe()["settings"] == "recorded", text.describe()
@@ -186,7 +187,7 @@ def test_served_tokens_equal_the_prepared_test_split(prepared, recipe):
 
 
 def test_the_recipes_record_their_settings(prepared):
-    recorded = {name: P.read_manifest(dest)["text"] for name, (dest, *_rest) in prepared.items()}
+    recorded = {name: read_manifest(dest)["text"] for name, (dest, *_rest) in prepared.items()}
     assert recorded["wmt14_en_de"]["en"] == {
         **TextSettings("en", apostrophe=True, aggressive_dash_splits=True).to_dict(),
         "subword": "subword-nmt", "subword_model": "code"}
@@ -209,7 +210,7 @@ def test_flags_override_and_a_data_bin_without_settings_is_guessed(prepared, tmp
     bare = tmp_path / "bare"
     bare.mkdir()
     for f in dest.iterdir():
-        if f.name != P.MANIFEST:
+        if f.name != MANIFEST:
             (bare / f.name).symlink_to(f)
     text = demo_text(bare, ("de", "en"))
     info = text.describe()

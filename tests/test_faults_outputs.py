@@ -20,8 +20,9 @@ import torch
 
 from conftest import cli_environment
 from fairseq_modattn import data
+from fairseq_modattn.atomic_files import atomic_path
 from fairseq_modattn.cli.main import main
-from fairseq_modattn.data import pipeline as P
+from fairseq_modattn.data.readers import read_lines
 
 MODATTN = Path(sys.executable).parent / "fairseq-modattn"
 WORDS = "der die das haus katze hund baum stadt fluss berg auto zug licht wasser feuer".split()
@@ -109,7 +110,7 @@ def test_output_path_that_is_a_directory_is_refused_and_kept(tmp_path, capsys):
 
     # the library call itself never replaces a directory with a file
     with pytest.raises(IsADirectoryError, match="is a directory"):
-        with P.atomic_path(out) as tmp:
+        with atomic_path(out) as tmp:
             tmp.write_text("{}")
     assert tree(out) == {"keep.txt": b"mine\n"} and litter(tmp_path) == []
 
@@ -287,9 +288,9 @@ def test_raw_directory_and_unwritable_dest_fail_at_start_in_one_line(tmp_path, c
 
 def test_utf8_byte_order_mark_is_stripped(tmp_path):
     (tmp_path / "a.txt").write_bytes("\ufeffeins zwei\n\ufeffdrei\n".encode("utf-8"))
-    assert P.read_lines(tmp_path / "a.txt") == ["eins zwei", "\ufeffdrei"]  # only at the file's start
+    assert read_lines(tmp_path / "a.txt") == ["eins zwei", "\ufeffdrei"]  # only at the file's start
     (tmp_path / "a.gz").write_bytes(gzip.compress("\ufeffeins\n".encode("utf-8")))
-    assert P.read_lines(tmp_path / "a.gz") == ["eins"]
+    assert read_lines(tmp_path / "a.gz") == ["eins"]
 
     raw = synthetic_raw(tmp_path / "raw", bom=True)
     dest = tmp_path / "bin"

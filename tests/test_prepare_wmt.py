@@ -22,8 +22,9 @@ import pytest
 
 from conftest import REPO
 from fairseq_modattn import data
-from fairseq_modattn.data import pipeline as P
 from fairseq_modattn.data import wmt14, wmt17
+from fairseq_modattn.data.errors import DataError
+from fairseq_modattn.data.readers import read_lines
 
 BIN = Path(sys.executable).parent
 
@@ -182,13 +183,13 @@ def test_wmt14_end_to_end(tmp_path, monkeypatch, capsys):
     assert "wmt14 en-de" in out and "train 443" in out and "dropped pairs: 3" in out
     final_train = (work / "final" / "train.en").read_text(encoding="utf-8")
     assert "word word word" not in final_train and "There is no translation" not in final_train
-    valid_en = P.read_lines(work / "tok" / "valid.en")
+    valid_en = read_lines(work / "tok" / "valid.en")
     assert [s.split()[-2] for s in valid_en] == ["e99", "c49", "c149", "n99"]  # NR % 100 == 0
 
     # Moses -a: hyphens split as @-@; test: ’ -> ' then Moses escaping, as fairseq's recipe
     tok_train = (work / "tok" / "train.en").read_text(encoding="utf-8")
     assert "well @-@ known" in tok_train and "state @-@ of @-@ the @-@ art" in tok_train
-    test_en = P.read_lines(work / "tok" / "test.en")
+    test_en = read_lines(work / "tok" / "test.en")
     assert len(test_en) == 12 and test_en[0].startswith("The minister &apos;s well @-@ known")
 
     # a joined dictionary, the fairseq files, the BPE codes
@@ -224,10 +225,10 @@ def test_wmt17_end_to_end(tmp_path, monkeypatch, capsys):
     assert "wmt17 zh-en" in out and "dropped pairs: 1" in out
 
     # jieba put spaces between the Chinese words; English Moses-tokenised with its case kept
-    zh = P.read_lines(work / "tok" / "train.zh")
+    zh = read_lines(work / "tok" / "train.zh")
     assert zh[0] == "我们 在 北京大学 学习 机器翻译 0 。"
     assert zh[1].startswith("中国 经济")
-    assert P.read_lines(work / "tok" / "test.en")[1] == "China &apos;s economy grew by seven percent this year t1 ."
+    assert read_lines(work / "tok" / "test.en")[1] == "China &apos;s economy grew by seven percent this year t1 ."
 
     # separate dictionaries and BPE codes, the fairseq files
     assert binfiles(dest, "zh", "en") <= {p.name for p in dest.iterdir()}
@@ -240,7 +241,7 @@ def test_wmt17_end_to_end(tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------------------------- bad input
 
 def run_bad(name, raw, tmp_path, *extra):
-    with pytest.raises(P.DataError) as e:
+    with pytest.raises(DataError) as e:
         data.prepare(name, ["--raw-dir", str(raw), "--dest", str(tmp_path / "bin"), "--no-download",
                             "--bpe-size", "20", *extra])
     assert not (tmp_path / "bin").exists()  # nothing half-written

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..data.pipeline import atomic_path
+from ..atomic_files import atomic_write
 from . import AnalysisError
 
 logger = logging.getLogger(__name__)
@@ -185,16 +185,7 @@ def average_checkpoints(paths: Sequence[PathLike]) -> dict:
 
 
 # ------------------------------------------------------------------ saving
-def atomic_write(path: PathLike, write: Callable[[str], None]) -> Path:
-    """Create PATH by ``write(temporary_name)`` on a temporary file beside it, then a rename
-    (``data.pipeline.atomic_path``): readers see the old file or the complete new one, never
-    half of it, and a failed write leaves nothing behind. Parent folders are created."""
-    with atomic_path(path) as tmp:
-        write(str(tmp))
-    return Path(path)
-
-
 def save_checkpoint_atomically(state: dict, path: PathLike) -> Path:
-    """``torch.save`` STATE to PATH atomically (see :func:`atomic_write`), so a later
+    """``torch.save`` STATE to PATH atomically (``atomic_files.atomic_write``), so a later
     ``fairseq-generate`` never reads a half-written checkpoint."""
     return atomic_write(path, lambda tmp_name: torch.save(state, tmp_name))

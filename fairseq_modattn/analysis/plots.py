@@ -47,7 +47,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from ..data.pipeline import atomic_path
+from ..atomic_files import atomic_path
 from . import AnalysisError
 
 __all__ = [

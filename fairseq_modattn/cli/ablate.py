@@ -25,8 +25,11 @@ from pathlib import Path
 from typing import Dict, List
 
 from ..analysis import AnalysisError
+from ..atomic_files import write_json_atomically
+from ..models.attention_types import ATTENTION_TYPES
 from . import runs
-from .evaluate import PLUGIN_DIR, fairseq_script, write_json_atomically
+from ..help_format import DefaultsHelpFormatter
+from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
 #: the paper's IWSLT14 training recipe (examples/iwslt14); flags after '--' override these
 DEFAULT_TRAIN_ARGS = [
@@ -50,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
         description="Train, evaluate and compare DMA transformers with different cluster counts n_c "
                     "(DMA paper, Table 7). Resumable: rerun the same command after an interruption. "
                     "Arguments after '--' go to fairseq-train (after the defaults, so they override them).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("data", help="a prepared fairseq data-bin (fairseq-modattn prepare ...)")
     p.add_argument("--output-dir", type=Path, required=True, help="where runs, tables and the plot go")
@@ -66,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generate-args", default="", metavar="ARGS",
                    help="extra fairseq-generate flags as one string, e.g. '--max-len-b 50 --lenpen 0.6'")
     p.add_argument("--compound-split", action="store_true", help="also report compound-split BLEU (WMT14 en-de)")
-    p.add_argument("--attention", default="enc_self", choices=("enc_self", "dec_self", "enc_dec"),
+    p.add_argument("--attention", default="enc_self", choices=ATTENTION_TYPES,
                    help="attention type of the LR / HR columns")
     p.add_argument("--cpu", action="store_true", help="train and evaluate on the CPU")
     return p
@@ -173,7 +176,7 @@ def csv_table(rows: List[Dict]) -> str:
 
 
 def write_outputs(output_dir: Path, results: Dict[int, Dict], settings: Dict, log) -> List[Dict]:
-    from ..analysis.checkpoints import atomic_write
+    from ..atomic_files import atomic_write
     from ..analysis.plots import plot_ablation
 
     rows = table_rows(results)

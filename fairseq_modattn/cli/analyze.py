@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import List
 
 from ..analysis import AnalysisError
-from ..analysis.capture import ATTENTION_TYPES
-from .evaluate import write_json_atomically
+from ..models.attention_types import ATTENTION_TYPES
+from ..atomic_files import write_json_atomically
+from ..help_format import DefaultsHelpFormatter
 
 PLOT_KINDS = {
     "redundancy": "head-redundancy matrix (1 - JS between every pair of heads) heatmap, paper Fig. 3",
@@ -42,7 +43,7 @@ def redundancy_parser() -> argparse.ArgumentParser:
         prog="fairseq-modattn redundancy",
         description="Attention redundancy LR (within layers) and HR (between all heads) of a checkpoint "
         'over a data split, as defined in docs/design.md, "Evaluation definitions"; lower is less redundant.',
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_model_args(p)
     p.add_argument("--attention", default="enc_self",
@@ -73,7 +74,7 @@ def redundancy(argv: List[str]) -> int:
 def refuse_directory_outputs(**flags):
     """AnalysisError '--FLAG X is a directory; give a file path' for an output file flag that
     names an existing folder, checked before the model is loaded (a folder is never replaced)."""
-    from ..data.pipeline import check_output_file
+    from ..atomic_files import check_output_file
 
     for flag, path in flags.items():
         check_output_file(path, "--" + flag.replace("_", "-"), error=AnalysisError)
@@ -122,13 +123,13 @@ def plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fairseq-modattn plot",
         description="Draw an analysis figure of a checkpoint to a PNG.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True,
                              help="; ".join(f"{k}: {v}" for k, v in PLOT_KINDS.items()))
     for kind, help_text in PLOT_KINDS.items():
         k = kinds.add_parser(kind, help=help_text, description=help_text,
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             formatter_class=DefaultsHelpFormatter)
         add_model_args(k)
         k.add_argument("--output", type=Path, required=True, help="PNG file to write (a directory is refused)")
         k.add_argument("--dpi", type=int, default=100, help="resolution of the PNG")

@@ -13,11 +13,9 @@ sacreBLEU of a lower-cased system against true-case references is case-insensiti
 
 import argparse
 import datetime
-import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..analysis import AnalysisError
 from ..analysis import checkpoints as ckpt
 from ..analysis import scoring
-
-PLUGIN_DIR = Path(__file__).resolve().parents[1]
+from ..atomic_files import check_output_file, write_json_atomically
+from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
 # Flags of fairseq-generate that this command sets itself, or that would move the hypotheses
 # out of its stdout; passing them after "--" would silently change what is evaluated.
@@ -81,8 +79,6 @@ def average(argv: List[str]) -> int:
 
 def _refuse_directory_output(path, flag: str = "--output"):
     """AnalysisError '--output X is a directory; give a file path' (checked before any work)."""
-    from ..data.pipeline import check_output_file
-
     check_output_file(path, flag, error=AnalysisError)
 
 
@@ -143,10 +139,12 @@ def _split_prefixes(data: Path, subset: str, src: Optional[str], tgt: Optional[s
     return prefixes, src, tgt
 
 
-def split_size(data, subset: str, source_lang: Optional[str] = None,
-               target_lang: Optional[str] = None) -> Tuple[int, str, str]:
-    """(number of sentences in SUBSET of the data-bin DATA, source lang, target lang), read with
-    fairseq's own indexed-dataset loader. An empty or unreadable split is an AnalysisError."""
+def count_split_sentences(data, subset: str, source_lang: Optional[str] = None,
+                          target_lang: Optional[str] = None) -> Tuple[int, str, str]:
+    """(number of sentences in SUBSET of the data-bin DATA, source lang, target lang), read from
+    the index files with fairseq's own indexed-dataset loader, without a task or a model (unlike
+    ``analysis.loading.split_size``, which loads the split into a task). An empty or unreadable
+    split is an AnalysisError."""
     from fairseq.data import data_utils
 
     data = Path(str(data).split(os.pathsep)[0])  # fairseq reads evaluation splits from the first shard
@@ -165,16 +163,6 @@ def split_size(data, subset: str, source_lang: Optional[str] = None,
 
 
 # ------------------------------------------------------------------ evaluation
-def fairseq_script(name: str) -> str:
-    """The fairseq console script NAME (e.g. 'fairseq-generate') of the running interpreter's
-    environment, else the one on PATH."""
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.exists() else shutil.which(name)
-    if not found:
-        raise AnalysisError(f"{name} not found next to {sys.executable} nor on PATH: is fairseq installed?")
-    return found
-
-
 def _check_extra_args(extra: Sequence[str]):
     for arg in extra:
         flag = arg.split("=", 1)[0]
@@ -357,7 +345,7 @@ def evaluate_checkpoints(
         if not path.is_file():
             raise AnalysisError(f"checkpoint {path} does not exist")
     _check_extra_args(extra_generate_args)
-    expected, src, tgt = split_size(data, subset, source_lang, target_lang)
+    expected, src, tgt = count_split_sentences(data, subset, source_lang, target_lang)
     raw_refs = _read_references(references, expected, subset) if references is not None else None
     tokenize = sacrebleu_tokenize or ("zh" if tgt == "zh" else "13a")
     generate = fairseq_script("fairseq-generate")
@@ -439,16 +427,6 @@ def evaluate_checkpoints(
         "versions": _versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def write_json_atomically(obj, path) -> Path:
-    """Write OBJ as indented JSON through a temporary file and a rename (never half a file)."""
-    def write(tmp_name):
-        with open(tmp_name, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-
-    return ckpt.atomic_write(path, write)
 
 
 def summary_table(results: dict, output: Path) -> str:

@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Dict, List
 
 from ..analysis import AnalysisError
+from ..atomic_files import write_json_atomically
+from ..models.attention_types import ATTENTION_TYPES
 from . import runs
-from .evaluate import write_json_atomically
+from ..help_format import DefaultsHelpFormatter
 from .model_recipes import RECIPES, ModelRecipe
 
 DEFAULT_MODELS = ["transformer", "dma"]
-ATTENTIONS = ("enc_self", "dec_self", "enc_dec")
+ATTENTIONS = ATTENTION_TYPES
 #: settings whose change makes the runs in an output directory incomparable
 IDENTITY_KEYS = ("data", "max_train_sentences", "bpe_size", "max_update", "max_epoch", "seed", "average_last", "beam",
                  "generate_args", "train_args")
@@ -47,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
                     "Resumable: rerun the same command after an interruption. Arguments after '--' go to every "
                     "fairseq-train (after the recipe's flags, so they override them).",
         epilog=f"models: {recipes}",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--output-dir", type=Path, default=Path("quickstart"),
                    help="where the data-bin, the runs, table.md and summary.json go")
@@ -68,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--max-epoch", type=int, default=None, help="also stop after this many epochs")
     train.add_argument("--seed", type=int, default=1, help="fairseq-train --seed")
     train.add_argument("--jobs", type=int, default=None,
-                       help="models trained at the same time (default: one per 1 CPU core on a CPU, 1 on a GPU); "
+                       help="models trained at the same time (default: one per CPU core on a CPU, 1 on a GPU); "
                             "the cores are split among them")
     train.add_argument("--cpu", action="store_true", help="use the CPU even when CUDA is available")
     ev = p.add_argument_group("evaluation")
@@ -110,7 +112,7 @@ def prepare_data(args, log) -> Path:
     if args.data is not None:
         return args.data.resolve()
     from .. import data
-    from ..data.pipeline import DataError
+    from ..data.errors import DataError
 
     dest = args.output_dir / "data-bin" / "multi30k.de-en"
     argv = ["--raw-dir", str(args.raw_dir), "--dest", str(dest), "--bpe-size", str(args.bpe_size),

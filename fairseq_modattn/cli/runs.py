@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 from ..analysis import AnalysisError
-from .evaluate import write_json_atomically
+from ..atomic_files import write_json_atomically
 
 Log = Callable[[str], None]
 

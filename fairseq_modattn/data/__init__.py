@@ -7,16 +7,31 @@ light). A recipe module defines
     DESCRIPTION: str                      one line for ``fairseq-modattn prepare -h``
     DEFAULT_DEST: str                     e.g. "data-bin/iwslt14.tokenized.de-en"
     add_args(parser)                      its own flags (the common ones are added here)
-    prepare(args) -> pipeline.Summary     does the work (resumable), returns the summary
+    prepare(args) -> summary.Summary      does the work (resumable), returns the summary
 
-and uses the shared text pipeline in ``pipeline.py``; its text steps are ``text_settings.TextSettings``
-(run by ``text_settings.tokenize_lines``), and those of the test split are recorded in the data-bin's
-``prepare-manifest.json``, where the demo reads them.
+and is built from the shared modules of this package, each one concept:
+
+    errors.py     DataError, the one-line error of bad or missing input
+    readers.py    strict UTF-8 / gzip line readers, IWSLT XML and WMT SGM segments
+    downloads.py  raw files: found in --raw-dir and checked, or downloaded, or listed as missing
+    steps.py      resumable steps: atomic outputs, then a marker of what they were made from
+    moses.py      Moses punctuation normalisation, tokenisation, lower-casing, corpus cleaning
+    subwords.py   subword-nmt and sentencepiece models, and the recipes' subword steps
+    binarize.py   fairseq-preprocess, run safely, and the recipes' "binarize" step
+    manifest.py   the data-bin's prepare-manifest.json, and the checks of prepare's paths
+    summary.py    what a recipe reports, and the common tail of the recipes
+
+Files are written through ``fairseq_modattn/atomic_files.py`` (whole or not at all). A recipe's
+text steps are ``text_settings.TextSettings`` (run by ``text_settings.tokenize_lines``), and
+those of the test split are recorded in the data-bin's ``prepare-manifest.json``, where the
+demo reads them.
 """
 
 import argparse
 import importlib
 from pathlib import Path
+
+from ..help_format import DefaultsHelpFormatter
 
 RECIPES = {
     "multi30k": "fairseq_modattn.data.multi30k",
@@ -53,21 +68,12 @@ def add_common_args(parser: argparse.ArgumentParser, default_dest: str):
     return g
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: ...)" only to help texts that do not already state their default."""
-
-    def _get_help_string(self, action):
-        if "(default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser(name: str, prog: str = None) -> argparse.ArgumentParser:
     """The full argument parser of recipe NAME."""
     mod = recipe_module(name)
     parser = argparse.ArgumentParser(
         prog=prog or f"fairseq-modattn prepare {name}", description=mod.DESCRIPTION,
-        formatter_class=_HelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     add_common_args(parser, mod.DEFAULT_DEST)
     mod.add_args(parser)
     return parser
@@ -82,9 +88,9 @@ def parse_args(name: str, argv):
 
 
 def prepare(name: str, argv):
-    """Parse ARGV for recipe NAME, check its output paths (``pipeline.check_prepare_paths``:
+    """Parse ARGV for recipe NAME, check its output paths (``manifest.check_prepare_paths``:
     before any work, one-line DataError), run it, print (and optionally save) its summary."""
-    from .pipeline import check_prepare_paths
+    from .manifest import check_prepare_paths
 
     args = parse_args(name, argv)
     mod = recipe_module(name)

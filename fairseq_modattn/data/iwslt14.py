@@ -21,13 +21,20 @@ Steps (each resumable):
 import tarfile
 from pathlib import Path
 
-from . import pipeline as P
+from ..atomic_files import _write_lines_now
+from .downloads import RawFile, fetch_raw_files
+from .errors import DataError
+from .moses import clean_corpus
+from .readers import read_lines, read_parallel_segments, refuse_non_file, strip_metadata
+from .steps import Steps
+from .subwords import add_subword_args, check_subword_args
+from .summary import Summary, subword_binarize_summary
 from .text_settings import TextSettings, tokenize_lines
 
 DESCRIPTION = "IWSLT14 de-en (de-en.tgz) -> tokenised, lower-cased, BPE'd data-bin (fairseq's recipe)"
 DEFAULT_DEST = "data-bin/iwslt14.tokenized.de-en"
 SRC, TGT = "de", "en"
-ARCHIVE = P.RawFile(
+ARCHIVE = RawFile(
     "de-en.tgz", url="http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz",
     note="the IWSLT 2014 de-en archive (also at https://wit3.fbk.eu/2014-01, texts/de/en/de-en.tgz)",
 )
@@ -52,10 +59,10 @@ def add_args(parser):
     g.add_argument("--clean-min", type=int, default=1, help="clean-corpus-n minimum tokens")
     g.add_argument("--clean-max", type=int, default=175, help="clean-corpus-n maximum tokens")
     g.add_argument("--no-lowercase", action="store_true", help="keep the case (fairseq lower-cases)")
-    P.add_subword_args(parser, joint_size=10000, src_size=8000, tgt_size=6000)
+    add_subword_args(parser, joint_size=10000, src_size=8000, tgt_size=6000)
 
 
-def extract(archive: Path, out_dir: Path, steps: P.Steps):
+def extract(archive: Path, out_dir: Path, steps: Steps):
     """The "extract" step: the needed members of ARCHIVE into OUT_DIR (flat)."""
     names = member_names()
     outputs = [out_dir / n for n in names]
@@ -64,7 +71,7 @@ def extract(archive: Path, out_dir: Path, steps: P.Steps):
         try:
             tar = tarfile.open(archive)
         except (tarfile.TarError, OSError) as e:
-            raise P.DataError(f"not a readable tar archive ({e}); expected the IWSLT14 de-en.tgz", archive) from None
+            raise DataError(f"not a readable tar archive ({e}); expected the IWSLT14 de-en.tgz", archive) from None
         with tar:
             members = {}
             for m in tar.getmembers():
@@ -72,7 +79,7 @@ def extract(archive: Path, out_dir: Path, steps: P.Steps):
                     members.setdefault(Path(m.name).name, m)
             missing = [n for n in names if n not in members]
             if missing:
-                raise P.DataError(
+                raise DataError(
                     f"not the IWSLT14 de-en archive: it lacks {', '.join(missing)} "
                     f"(expected de-en/{TRAIN_STEM}.{{de,en}} and de-en/IWSLT14.*.xml)", archive)
             for name, tmp in zip(names, tmps):
@@ -88,17 +95,17 @@ def extract(archive: Path, out_dir: Path, steps: P.Steps):
     return {n: p for n, p in zip(names, outputs)}
 
 
-def prepare(args) -> P.Summary:
-    P.check_subword_args(args)
+def prepare(args) -> Summary:
+    check_subword_args(args)
     work = Path(args.work_dir)
-    steps = P.Steps(work)
+    steps = Steps(work)
     archive = args.archive
     if archive is None:
-        archive = P.fetch_raw_files([ARCHIVE], args.raw_dir, download=not args.no_download)[ARCHIVE.name]
+        archive = fetch_raw_files([ARCHIVE], args.raw_dir, download=not args.no_download)[ARCHIVE.name]
     else:
-        P.refuse_non_file(archive, "--archive: the de-en.tgz archive")
+        refuse_non_file(archive, "--archive: the de-en.tgz archive")
     if not Path(archive).is_file():
-        raise P.DataError(f"--archive: file not found; download it from {ARCHIVE.url}", archive)
+        raise DataError(f"--archive: file not found; download it from {ARCHIVE.url}", archive)
     files = extract(Path(archive), work / "orig", steps)
     tok = work / "tok"
     lower = not args.no_lowercase
@@ -109,26 +116,26 @@ def prepare(args) -> P.Summary:
 
     def train_valid(tr_s, tr_t, va_s, va_t, stats_json):
         src_path, tgt_path = files[f"{TRAIN_STEM}.{SRC}"], files[f"{TRAIN_STEM}.{TGT}"]
-        src = P.strip_metadata(P.read_lines(src_path))
-        tgt = P.strip_metadata(P.read_lines(tgt_path))
+        src = strip_metadata(read_lines(src_path))
+        tgt = strip_metadata(read_lines(tgt_path))
         if len(src) != len(tgt):
-            raise P.DataError(
+            raise DataError(
                 f"after removing metadata lines, {len(src)} sentences in {src_path} but {len(tgt)} "
                 f"in {tgt_path}; the train.tags files must align line by line")
         for path, lines in ((src_path, src), (tgt_path, tgt)):
             if not lines:
-                raise P.DataError("no sentences left after removing metadata lines", path)
+                raise DataError("no sentences left after removing metadata lines", path)
         src = tokenize_lines(src, train_settings[SRC], workers=args.workers)
         tgt = tokenize_lines(tgt, train_settings[TGT], workers=args.workers)
-        src, tgt, stats = P.clean_corpus(src, tgt, ratio=args.clean_ratio, min_len=args.clean_min,
-                                         max_len=args.clean_max)
+        src, tgt, stats = clean_corpus(src, tgt, ratio=args.clean_ratio, min_len=args.clean_min,
+                                       max_len=args.clean_max)
         if not src:
-            raise P.DataError("no training pair survives cleaning", src_path)
+            raise DataError("no training pair survives cleaning", src_path)
         valid = [i % VALID_EVERY == VALID_EVERY - 1 for i in range(len(src))]  # awk NR%23==0
-        P._write_lines_now(tr_s, (s for s, v in zip(src, valid) if not v))
-        P._write_lines_now(tr_t, (s for s, v in zip(tgt, valid) if not v))
-        P._write_lines_now(va_s, (s for s, v in zip(src, valid) if v))
-        P._write_lines_now(va_t, (s for s, v in zip(tgt, valid) if v))
+        _write_lines_now(tr_s, (s for s, v in zip(src, valid) if not v))
+        _write_lines_now(tr_t, (s for s, v in zip(tgt, valid) if not v))
+        _write_lines_now(va_s, (s for s, v in zip(src, valid) if v))
+        _write_lines_now(va_t, (s for s, v in zip(tgt, valid) if v))
         stats.save(stats_json)
 
     stats_path = tok / "clean-stats.json"
@@ -141,15 +148,15 @@ def prepare(args) -> P.Summary:
         for lang, out in ((SRC, te_s), (TGT, te_t)):
             lines = []
             for name in TEST_SETS:
-                src_seg, tgt_seg = P.read_parallel_segments(files[f"{name}.de-en.{SRC}.xml"],
-                                                            files[f"{name}.de-en.{TGT}.xml"])
+                src_seg, tgt_seg = read_parallel_segments(files[f"{name}.de-en.{SRC}.xml"],
+                                                          files[f"{name}.de-en.{TGT}.xml"])
                 lines += src_seg if lang == SRC else tgt_seg
-            P._write_lines_now(out, tokenize_lines(lines, test_settings[lang], workers=args.workers))
+            _write_lines_now(out, tokenize_lines(lines, test_settings[lang], workers=args.workers))
 
     test_inputs = [files[f"{n}.de-en.{l}.xml"] for n in TEST_SETS for l in (SRC, TGT)]
     steps.run("test", [tok / f"test.{SRC}", tok / f"test.{TGT}"], test, inputs=test_inputs,
               params={"lower": lower, "sets": TEST_SETS})
 
-    return P.subword_binarize_summary(steps, args, tok, work / "bpe", ("train", "valid", "test"), SRC, TGT,
-                                      "iwslt14 de-en", clean_stats=stats_path,
-                                      text_settings=test_settings)
+    return subword_binarize_summary(steps, args, tok, work / "bpe", ("train", "valid", "test"), SRC, TGT,
+                                    "iwslt14 de-en", clean_stats=stats_path,
+                                    text_settings=test_settings)

@@ -16,7 +16,14 @@ Steps (each resumable):
 
 from pathlib import Path
 
-from . import pipeline as P
+from ..atomic_files import _write_lines_now
+from .downloads import RawFile, fetch_raw_files
+from .errors import DataError
+from .moses import CleanStats, clean_corpus
+from .readers import read_parallel
+from .steps import Steps
+from .subwords import add_subword_args, check_subword_args
+from .summary import Summary, subword_binarize_summary
 from .text_settings import TextSettings, tokenize_lines
 
 DESCRIPTION = "Multi30k task 1 (raw .gz files) -> tokenised, BPE'd (or sentencepiece) data-bin"
@@ -27,7 +34,7 @@ LANGS = ("de", "en", "fr", "cs")
 
 
 def raw_files(src, tgt):
-    return [P.RawFile(f"{stem}.{lang}.gz", url=URL.format(f"{stem}.{lang}.gz"))
+    return [RawFile(f"{stem}.{lang}.gz", url=URL.format(f"{stem}.{lang}.gz"))
             for stem in SPLITS.values() for lang in (src, tgt)]
 
 
@@ -42,19 +49,19 @@ def add_args(parser):
                    help="use only the first N training pairs (quick experiments, tests)")
     g.add_argument("--clean-ratio", type=float, default=9.0, help="clean-corpus-n -ratio (train only)")
     g.add_argument("--clean-max", type=int, default=250, help="clean-corpus-n maximum tokens (train only)")
-    P.add_subword_args(parser, joint_size=10000, src_size=8000, tgt_size=8000)
+    add_subword_args(parser, joint_size=10000, src_size=8000, tgt_size=8000)
 
 
-def prepare(args) -> P.Summary:
-    P.check_subword_args(args)
+def prepare(args) -> Summary:
+    check_subword_args(args)
     src, tgt = args.src, args.tgt
     if src == tgt:
-        raise P.DataError(f"--src and --tgt are both {src!r}")
+        raise DataError(f"--src and --tgt are both {src!r}")
     if args.max_train_sentences is not None and args.max_train_sentences <= 0:
-        raise P.DataError(f"--max-train-sentences must be positive, got {args.max_train_sentences}")
-    files = P.fetch_raw_files(raw_files(src, tgt), args.raw_dir, download=not args.no_download)
+        raise DataError(f"--max-train-sentences must be positive, got {args.max_train_sentences}")
+    files = fetch_raw_files(raw_files(src, tgt), args.raw_dir, download=not args.no_download)
     work = Path(args.work_dir)
-    steps = P.Steps(work)
+    steps = Steps(work)
     tok = work / "tok"
     lower = not args.no_lowercase
     # every split, both languages: Moses (or none) and lower-casing; recorded for the demo
@@ -65,25 +72,25 @@ def prepare(args) -> P.Summary:
 
     def text(*tmps):
         out = dict(zip(outputs, tmps))
-        stats = P.CleanStats()
+        stats = CleanStats()
         for split, stem in SPLITS.items():
             s_path, t_path = files[f"{stem}.{src}.gz"], files[f"{stem}.{tgt}.gz"]
-            s_lines, t_lines = P.read_parallel(s_path, t_path)
+            s_lines, t_lines = read_parallel(s_path, t_path)
             if split == "train" and args.max_train_sentences:
                 s_lines, t_lines = s_lines[:args.max_train_sentences], t_lines[:args.max_train_sentences]
             s_lines = tokenize_lines(s_lines, settings[src], workers=args.workers)
             t_lines = tokenize_lines(t_lines, settings[tgt], workers=args.workers)
             if split == "train":
-                s_lines, t_lines, stats = P.clean_corpus(s_lines, t_lines, ratio=args.clean_ratio,
-                                                         min_len=1, max_len=args.clean_max)
-            P._write_lines_now(out[tok / f"{split}.{src}"], s_lines)
-            P._write_lines_now(out[tok / f"{split}.{tgt}"], t_lines)
+                s_lines, t_lines, stats = clean_corpus(s_lines, t_lines, ratio=args.clean_ratio,
+                                                       min_len=1, max_len=args.clean_max)
+            _write_lines_now(out[tok / f"{split}.{src}"], s_lines)
+            _write_lines_now(out[tok / f"{split}.{tgt}"], t_lines)
         stats.save(out[stats_path])
 
     steps.run("text", outputs, text, inputs=inputs,
               params={"tokenizer": args.tokenizer, "lower": lower, "max_train": args.max_train_sentences,
                       "ratio": args.clean_ratio, "max": args.clean_max})
     sub_dir = work / ("spm" if args.subword == "sentencepiece" else "bpe")
-    return P.subword_binarize_summary(steps, args, tok, sub_dir, tuple(SPLITS), src, tgt,
-                                      f"multi30k {src}-{tgt}", clean_stats=stats_path,
-                                      text_settings=settings)
+    return subword_binarize_summary(steps, args, tok, sub_dir, tuple(SPLITS), src, tgt,
+                                    f"multi30k {src}-{tgt}", clean_stats=stats_path,
+                                    text_settings=settings)

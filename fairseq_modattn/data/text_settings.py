@@ -26,7 +26,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from . import pipeline as P
+from ..atomic_files import PathLike
+from . import moses
+from .errors import DataError
+from .manifest import MANIFEST, read_manifest
+from .subwords import _require_sentencepiece
 
 TOKENIZERS = ("moses", "jieba", "none")
 SUBWORDS = ("subword-nmt", "sentencepiece", "none")
@@ -35,7 +39,7 @@ SUBWORD_ALIASES = {"subword_nmt": "subword-nmt", "bpe": "subword-nmt", "spm": "s
 
 
 def subword_method(name: str) -> str:
-    """NAME in the pipeline's spelling (``subword_nmt`` -> ``subword-nmt``)."""
+    """NAME in the recipes' spelling (``subword_nmt`` -> ``subword-nmt``)."""
     return SUBWORD_ALIASES.get(name, name)
 
 
@@ -128,7 +132,7 @@ def _jieba_tokenizer():
     try:
         import jieba
     except ImportError:
-        raise P.DataError("Chinese is segmented with `jieba` (the WMT17 zh-en recipe): pip install jieba") from None
+        raise DataError("Chinese is segmented with `jieba` (the WMT17 zh-en recipe): pip install jieba") from None
     jieba.setLogLevel(logging.WARNING)
     return jieba.Tokenizer()  # the default dictionary, cached by jieba in the temp folder
 
@@ -149,18 +153,18 @@ def tokenize_lines(lines: Sequence[str], settings: TextSettings, workers: int = 
         lines = remove_control_chars(lines)
     if settings.tokenizer == "jieba":
         if settings.normalize:
-            lines = P.normalize_punctuation(lines, settings.lang, workers=workers)
+            lines = moses.normalize_punctuation(lines, settings.lang, workers=workers)
         lines = segment_zh(lines)
-        return P.lowercase(lines) if settings.lowercase else lines
-    return P.tokenize(lines, settings.lang, normalize=settings.normalize, tokenize=settings.tokenizer == "moses",
-                      lower=settings.lowercase, escape=settings.escape,
-                      aggressive_dash_splits=settings.aggressive_dash_splits, workers=workers)
+        return moses.lowercase(lines) if settings.lowercase else lines
+    return moses.tokenize(lines, settings.lang, normalize=settings.normalize, tokenize=settings.tokenizer == "moses",
+                          lower=settings.lowercase, escape=settings.escape,
+                          aggressive_dash_splits=settings.aggressive_dash_splits, workers=workers)
 
 
 class SubwordModel:
     """A loaded subword model: ``apply(line)`` -> the line in space-separated subwords."""
 
-    def __init__(self, method: str, path: Optional[P.PathLike]):
+    def __init__(self, method: str, path: Optional[PathLike]):
         self.method = subword_method(method)
         self.path = Path(path) if path is not None else None
         if self.method == "subword-nmt":
@@ -169,7 +173,7 @@ class SubwordModel:
             with open(self.path, encoding="utf-8") as f:
                 self._bpe = BPE(f)
         elif self.method == "sentencepiece":
-            spm = P._require_sentencepiece()
+            spm = _require_sentencepiece()
             self._spm = spm.SentencePieceProcessor(model_file=str(self.path))
         elif self.method != "none":
             raise ValueError(f"unknown subword method {method!r}; choose from {', '.join(SUBWORDS)}")
@@ -207,18 +211,18 @@ def manifest_text(settings: Dict[str, TextSettings], method: str, joint: bool) -
     return {lang: s.with_subword(method, joint).to_dict() for lang, s in settings.items()}
 
 
-def recorded_settings(data_bin: P.PathLike, lang: str) -> Optional[TextSettings]:
+def recorded_settings(data_bin: PathLike, lang: str) -> Optional[TextSettings]:
     """The settings ``prepare`` recorded for LANG in DATA_BIN's manifest; None for a data-bin
     without them (plain fairseq-preprocess, or a prepare of an earlier version). ValueError
     when the record is there but malformed."""
-    manifest = P.read_manifest(data_bin)
+    manifest = read_manifest(data_bin)
     text = (manifest or {}).get("text")
     if not isinstance(text, dict) or lang not in text:
         return None
     try:
         settings = TextSettings.from_dict(text[lang])
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{Path(data_bin) / P.MANIFEST}: text settings of {lang!r}: {e}") from None
+        raise ValueError(f"{Path(data_bin) / MANIFEST}: text settings of {lang!r}: {e}") from None
     if settings.lang != lang:
-        raise ValueError(f"{Path(data_bin) / P.MANIFEST}: text settings of {lang!r} name language {settings.lang!r}")
+        raise ValueError(f"{Path(data_bin) / MANIFEST}: text settings of {lang!r} name language {settings.lang!r}")
     return settings

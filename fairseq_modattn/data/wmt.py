@@ -1,7 +1,7 @@
-"""What the WMT recipes (``wmt14.py``, ``wmt17.py``) share beyond ``pipeline.py``: raw files that
-are members of the official ``.tgz`` archives, taken either already extracted from --raw-dir or
-out of the archive (found there, or downloaded with ``pipeline.fetch_raw_files``), and the
-checks of a raw line before Moses sees it.
+"""What the WMT recipes (``wmt14.py``, ``wmt17.py``) share beyond the modules all recipes use:
+raw files that are members of the official ``.tgz`` archives, taken either already extracted
+from --raw-dir or out of the archive (found there, or downloaded with
+``downloads.fetch_raw_files``), and the checks of a raw line before Moses sees it.
 
 A member ``training/europarl-v7.de-en.en`` of ``training-parallel-europarl-v7.tgz`` is looked
 up, in this order, as ``RAW/training/europarl-v7.de-en.en``, ``RAW/europarl-v7.de-en.en``
@@ -21,8 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from . import pipeline as P
-from .pipeline import DataError, RawFile, Steps, fetch_raw_files
+from ..atomic_files import load_json, save_json, write_lines
+from .binarize import binarize_step
+from .downloads import RawFile, fetch_raw_files
+from .errors import DataError
+from .moses import clean_corpus
+from .readers import read_lines, refuse_non_file
+from .steps import Steps
+from .subwords import subword_steps
+from .summary import text_summary
 from .text_settings import manifest_text, remove_control_chars  # noqa: F401 (remove_control_chars: API)
 
 __all__ = ["Archive", "Member", "locate_members", "remove_control_chars", "add_clean_args",
@@ -31,7 +38,7 @@ __all__ = ["Archive", "Member", "locate_members", "remove_control_chars", "add_c
 
 @dataclass
 class Archive(RawFile):
-    """A public archive (a ``pipeline.RawFile``) that may also carry an md5 (sacreBLEU's tables
+    """A public archive (a ``downloads.RawFile``) that may also carry an md5 (sacreBLEU's tables
     publish md5, not sha256)."""
     md5: Optional[str] = None
 
@@ -87,7 +94,7 @@ def _extract(archive_path: Path, wanted: Sequence[str], outputs: Sequence[Path])
 def locate_members(members: Sequence[Member], archives: Dict[str, Archive], raw_dir: Path,
                    work_dir: Path, steps: Steps, download: bool = True) -> Dict[str, Path]:
     """{member path: local file} for MEMBERS: already-extracted files in RAW_DIR when present,
-    otherwise extracted from their archives (fetched with ``pipeline.fetch_raw_files``: checked,
+    otherwise extracted from their archives (fetched with ``downloads.fetch_raw_files``: checked,
     downloaded when missing and allowed). When archives can be had neither way, one DataError
     lists every missing archive (URL, where to put it) and the extracted files that would do
     instead."""
@@ -96,7 +103,7 @@ def locate_members(members: Sequence[Member], archives: Dict[str, Archive], raw_
     need: Dict[str, List[Member]] = {}
     for m in members:
         for cand in _candidates(raw_dir, m):
-            P.refuse_non_file(cand, f"an extracted member of {m.archive_name}")
+            refuse_non_file(cand, f"an extracted member of {m.archive_name}")
             if cand.is_file():
                 found[m.path] = cand
                 break
@@ -132,8 +139,8 @@ def add_clean_args(group, ratio: float, max_len: int, min_len: int = 1):
 
 def check_clean_args(args):
     if args.clean_ratio <= 0 or args.clean_min < 0 or args.clean_max < max(args.clean_min, 1):
-        raise P.DataError(f"--clean-ratio {args.clean_ratio}, --clean-min {args.clean_min}, --clean-max "
-                          f"{args.clean_max}: expected ratio > 0 and 0 <= clean-min <= clean-max")
+        raise DataError(f"--clean-ratio {args.clean_ratio}, --clean-min {args.clean_min}, --clean-max "
+                        f"{args.clean_max}: expected ratio > 0 and 0 <= clean-min <= clean-max")
 
 
 def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), notes=(), text_settings=None):
@@ -146,9 +153,9 @@ def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), n
     splits = ("train", "valid", "test")
     bpe_dir, final = work / "bpe", work / "final"
     joint = args.vocab == "joint"
-    models = P.subword_steps(steps, work / "tok", bpe_dir, splits, src, tgt, method=args.subword,
-                             joint=joint, joint_size=args.bpe_size, src_size=args.src_bpe_size,
-                             tgt_size=args.tgt_bpe_size)
+    models = subword_steps(steps, work / "tok", bpe_dir, splits, src, tgt, method=args.subword,
+                           joint=joint, joint_size=args.bpe_size, src_size=args.src_bpe_size,
+                           tgt_size=args.tgt_bpe_size)
     stats_path = final / "clean-stats.json"
     outs = [final / f"{split}.{lang}" for split in splits for lang in (src, tgt)]
 
@@ -156,28 +163,28 @@ def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), n
         tmp = dict(zip(outs, tmps))
         stats = {}
         for split in splits:
-            s_lines = P.read_lines(bpe_dir / f"{split}.{src}")
-            t_lines = P.read_lines(bpe_dir / f"{split}.{tgt}")
+            s_lines = read_lines(bpe_dir / f"{split}.{src}")
+            t_lines = read_lines(bpe_dir / f"{split}.{tgt}")
             if split in clean_splits:
-                s_lines, t_lines, st = P.clean_corpus(s_lines, t_lines, ratio=args.clean_ratio,
-                                                      min_len=args.clean_min, max_len=args.clean_max)
+                s_lines, t_lines, st = clean_corpus(s_lines, t_lines, ratio=args.clean_ratio,
+                                                    min_len=args.clean_min, max_len=args.clean_max)
                 if not s_lines:
-                    raise P.DataError(f"no {split} pair survives cleaning", bpe_dir / f"{split}.{src}")
+                    raise DataError(f"no {split} pair survives cleaning", bpe_dir / f"{split}.{src}")
                 stats[split] = {"too_short": st.too_short, "too_long": st.too_long, "bad_ratio": st.bad_ratio}
-            P.write_lines(tmp[final / f"{split}.{src}"], s_lines)
-            P.write_lines(tmp[final / f"{split}.{tgt}"], t_lines)
-        P.save_json(tmps[-1], stats)
+            write_lines(tmp[final / f"{split}.{src}"], s_lines)
+            write_lines(tmp[final / f"{split}.{tgt}"], t_lines)
+        save_json(tmps[-1], stats)
 
     steps.run("clean", outs + [stats_path], clean, inputs=[bpe_dir / p.name for p in outs],
               params={"ratio": args.clean_ratio, "min": args.clean_min, "max": args.clean_max,
                       "splits": list(clean_splits)})
-    P.binarize_step(steps, final, args.dest, src, tgt, joined=joint, workers=args.workers, extra_files=models,
-                    corpus=getattr(args, "corpus", None),
-                    text=manifest_text(text_settings, args.subword, joint) if text_settings else None)
+    binarize_step(steps, final, args.dest, src, tgt, joined=joint, workers=args.workers, extra_files=models,
+                  corpus=getattr(args, "corpus", None),
+                  text=manifest_text(text_settings, args.subword, joint) if text_settings else None)
 
-    stats = P.load_json(stats_path)
+    stats = load_json(stats_path)
     dropped = {f"{split} {why}": n for split, st in stats.items() for why, n in st.items() if n}
-    summary = P.text_summary(name, args.dest, final, splits, src, tgt, dropped)
+    summary = text_summary(name, args.dest, final, splits, src, tgt, dropped)
     kind = ("joint (one joined dictionary: --share-all-embeddings)" if joint
             else "separate (one dictionary per language: --share-decoder-input-output-embed)")
     sizes = (f"{args.bpe_size}" if joint else f"{src} {args.src_bpe_size} / {tgt} {args.tgt_bpe_size}")

@@ -18,7 +18,11 @@ The data-bin records the test settings (``testset_settings``), which the demo ap
 import shutil
 from pathlib import Path
 
-from . import pipeline as P
+from ..atomic_files import write_lines
+from .readers import read_lines, read_parallel, read_parallel_segments
+from .steps import Steps
+from .subwords import add_subword_args, check_subword_args
+from .summary import Summary
 from .text_settings import TextSettings, tokenize_lines
 from .wmt import Archive, Member, add_clean_args, check_clean_args, finish, locate_members
 
@@ -58,7 +62,7 @@ def add_args(parser):
                         "official dev set from dev.tgz (all training pairs kept)")
     add_clean_args(g, ratio=1.5, max_len=250)
     # --bpe-size: joint BPE merges (fairseq 40000; the paper's dictionary ablations change it)
-    P.add_subword_args(parser, joint_size=40000, src_size=40000, tgt_size=40000)
+    add_subword_args(parser, joint_size=40000, src_size=40000, tgt_size=40000)
 
 
 def train_settings(lang) -> TextSettings:
@@ -80,11 +84,11 @@ def tokenize_test(lines, lang, workers):
     return tokenize_lines(lines, testset_settings(lang), workers=workers)
 
 
-def prepare(args) -> P.Summary:
-    P.check_subword_args(args)
+def prepare(args) -> Summary:
+    check_subword_args(args)
     check_clean_args(args)
     work = Path(args.work_dir)
-    steps = P.Steps(work)
+    steps = Steps(work)
     members = [Member(archive, f"{stem}.{lang}") for _, archive, stem in TRAIN for lang in (SRC, TGT)]
     members += list(TEST.values())
     if args.valid_set == "newstest2013":
@@ -98,7 +102,7 @@ def prepare(args) -> P.Summary:
         with open(out_src, "w", encoding="utf-8", newline="\n") as fs, \
                 open(out_tgt, "w", encoding="utf-8", newline="\n") as ft:
             for _, _, stem in TRAIN:  # one corpus at a time (CommonCrawl alone is 2.4M pairs)
-                src, tgt = P.read_parallel(raw[f"{stem}.{SRC}"], raw[f"{stem}.{TGT}"])
+                src, tgt = read_parallel(raw[f"{stem}.{SRC}"], raw[f"{stem}.{TGT}"])
                 for f, lines, lang in ((fs, src, SRC), (ft, tgt, TGT)):
                     f.writelines(s + "\n" for s in tokenize_train(lines, lang, args.workers))
 
@@ -109,14 +113,14 @@ def prepare(args) -> P.Summary:
     def split(tr_s, tr_t, va_s, va_t):
         if args.valid_set == "split":  # awk 'NR%100 == 0' -> valid, the rest -> train
             for lang, tr, va in ((SRC, tr_s, va_s), (TGT, tr_t, va_t)):
-                lines = P.read_lines(tok["all", lang])
-                P.write_lines(tr, (s for i, s in enumerate(lines, 1) if i % 100))
-                P.write_lines(va, (s for i, s in enumerate(lines, 1) if i % 100 == 0))
+                lines = read_lines(tok["all", lang])
+                write_lines(tr, (s for i, s in enumerate(lines, 1) if i % 100))
+                write_lines(va, (s for i, s in enumerate(lines, 1) if i % 100 == 0))
         else:
-            src, tgt = P.read_parallel(raw[NEWSTEST2013[SRC].path], raw[NEWSTEST2013[TGT].path])
+            src, tgt = read_parallel(raw[NEWSTEST2013[SRC].path], raw[NEWSTEST2013[TGT].path])
             for lang, tr, va, lines in ((SRC, tr_s, va_s, src), (TGT, tr_t, va_t, tgt)):
                 shutil.copyfile(tok["all", lang], tr)
-                P.write_lines(va, tokenize_test(lines, lang, args.workers))
+                write_lines(va, tokenize_test(lines, lang, args.workers))
 
     split_inputs = [tok["all", SRC], tok["all", TGT]]
     if args.valid_set == "newstest2013":
@@ -125,9 +129,9 @@ def prepare(args) -> P.Summary:
               split, inputs=split_inputs, params={"valid_set": args.valid_set})
 
     def tokenize_testset(out_src, out_tgt):
-        src, tgt = P.read_parallel_segments(raw[TEST[SRC].path], raw[TEST[TGT].path])
-        P.write_lines(out_src, tokenize_test(src, SRC, args.workers))
-        P.write_lines(out_tgt, tokenize_test(tgt, TGT, args.workers))
+        src, tgt = read_parallel_segments(raw[TEST[SRC].path], raw[TEST[TGT].path])
+        write_lines(out_src, tokenize_test(src, SRC, args.workers))
+        write_lines(out_tgt, tokenize_test(tgt, TGT, args.workers))
 
     steps.run("tokenize-test", [tok["test", SRC], tok["test", TGT]], tokenize_testset,
               inputs=[raw[m.path] for m in TEST.values()], params={})

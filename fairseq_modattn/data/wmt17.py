@@ -20,7 +20,11 @@ differ in length more than German and English do) on the BPE tokens.
 from pathlib import Path
 from typing import List, Sequence
 
-from . import pipeline as P
+from ..atomic_files import write_lines
+from .readers import read_parallel, read_parallel_segments
+from .steps import Steps
+from .subwords import add_subword_args, check_subword_args
+from .summary import Summary
 from .text_settings import TextSettings, tokenize_lines
 from .wmt import Archive, Member, add_clean_args, check_clean_args, finish, locate_members
 
@@ -49,7 +53,7 @@ TEST = {SRC: Member("test.tgz", "test/newstest2017-zhen-src.zh.sgm"),
 def add_args(parser):
     g = parser.add_argument_group("WMT17 zh-en options")
     add_clean_args(g, ratio=9.0, max_len=250)
-    P.add_subword_args(parser, joint_size=40000, src_size=25000, tgt_size=20000, vocab="separate")
+    add_subword_args(parser, joint_size=40000, src_size=25000, tgt_size=20000, vocab="separate")
 
 
 #: every split (and the demo, which reads them from the data-bin): Chinese non-printing
@@ -68,11 +72,11 @@ def tokenize_en(lines: Sequence[str], workers: int) -> List[str]:
     return tokenize_lines(lines, SETTINGS[TGT], workers=workers)
 
 
-def prepare(args) -> P.Summary:
-    P.check_subword_args(args)
+def prepare(args) -> Summary:
+    check_subword_args(args)
     check_clean_args(args)
     work = Path(args.work_dir)
-    steps = P.Steps(work)
+    steps = Steps(work)
     sets = {"train": TRAIN, "valid": VALID, "test": TEST}
     members = [m for s in sets.values() for m in s.values()]
     raw = locate_members(members, ARCHIVES, args.raw_dir, work, steps, download=not args.no_download)
@@ -82,11 +86,11 @@ def prepare(args) -> P.Summary:
         def run(out_src, out_tgt, _files=files, _split=split):
             src_path, tgt_path = raw[_files[SRC].path], raw[_files[TGT].path]
             if _split == "train":
-                src, tgt = P.read_parallel(src_path, tgt_path)
+                src, tgt = read_parallel(src_path, tgt_path)
             else:
-                src, tgt = P.read_parallel_segments(src_path, tgt_path)
-            P.write_lines(out_src, segment_zh(src))
-            P.write_lines(out_tgt, tokenize_en(tgt, args.workers))
+                src, tgt = read_parallel_segments(src_path, tgt_path)
+            write_lines(out_src, segment_zh(src))
+            write_lines(out_tgt, tokenize_en(tgt, args.workers))
 
         steps.run(f"tokenize-{split}", [tok_dir / f"{split}.{SRC}", tok_dir / f"{split}.{TGT}"], run,
                   inputs=[raw[files[SRC].path], raw[files[TGT].path]], params={"zh": "jieba", "en": "moses"})

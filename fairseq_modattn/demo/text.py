@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..data import text_settings as T
-from ..data.pipeline import MANIFEST
+from ..data.manifest import MANIFEST
 from . import DemoError
 
 TOKENIZERS = ("auto",) + T.TOKENIZERS

@@ -1,0 +1,147 @@
+"""Files written whole or not at all: the one place every command of the package writes through.
+
+A file (or a new folder) is written under a temporary sibling name ``.NAME.tmp-PID`` and renamed
+onto its path only when the writing succeeded, so a reader sees the old file or the complete new
+one, and an interrupted run leaves no half-written output that a rerun would trust.
+
+    atomic_path(path)                 context manager yielding the temporary; renamed on success
+    atomic_write(path, write)         the same for a writer that takes a file name (torch.save)
+    write_lines(path, lines)          one line per item, UTF-8, ``\\n``
+    write_json_atomically(obj, path)  indented JSON for people (results, summaries of commands)
+    save_json(path, obj) / load_json  sorted JSON records of data preparation, and reading them back
+    check_output_file(path, flag)     the up-front refusal of an output flag that names a folder
+    is_temporary / remove_stale_temporaries / remove_path
+                                      recognising and clearing what a killed run left behind
+
+Two rules hold everywhere: an existing *directory* is never replaced (deleting it would delete
+whatever a user keeps there), and a path that is itself a temporary is written in place, so
+temporaries never nest (``..NAME.tmp-PID.tmp-PID`` would escape the clean-up after a kill).
+
+Used by ``data/`` (every recipe step), ``analysis/`` (checkpoints, figures) and ``cli/`` (result
+files); it depends on nothing else in the package.
+"""
+
+import contextlib
+import glob
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+PathLike = Union[str, Path]
+
+_TEMPORARY = re.compile(r"\..+\.tmp-\d+")
+
+
+def is_temporary(path: PathLike) -> bool:
+    """Whether PATH is named like a temporary of ``atomic_path`` (``.NAME.tmp-PID``)."""
+    return _TEMPORARY.fullmatch(Path(path).name) is not None
+
+
+def check_output_file(path: Optional[PathLike], flag: str = "--output", error=IsADirectoryError):
+    """Raise ERROR if the output file PATH of FLAG is an existing directory: commands call this
+    before their work, so a typo never costs hours and never deletes a folder (``atomic_path``
+    refuses too, but only at the end). Each caller passes its own error class (``DataError``,
+    ``AnalysisError``), the one its command prints as a one-line message."""
+    if path is not None and Path(path).is_dir():
+        raise error(f"{flag} {path} is a directory; give a file path")
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike):
+    """Yield a temporary path ``.NAME.tmp-PID`` beside PATH; rename it onto PATH when the block
+    succeeds, remove it when the block raises. Works for files, and for folders that do not
+    exist yet.
+
+    An existing directory at PATH is never replaced (a rename would have to delete it, and
+    with it whatever it holds): ``IsADirectoryError`` is raised before the block runs. A PATH
+    that is itself a temporary of this function (a step's output handed to a helper that
+    writes atomically too) is yielded as is: the outer rename already makes it atomic, and
+    temporaries of temporaries (``..NAME.tmp-PID.tmp-PID``) would escape the stale-temporary
+    cleanup of ``data.steps.Steps.run`` after a kill."""
+    path = Path(path)
+    if is_temporary(path):
+        yield path
+        return
+    if path.is_dir() and not path.is_symlink():
+        raise IsADirectoryError(f"{path} is a directory; give a file path (an existing folder is never replaced)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    remove_path(tmp)
+    try:
+        yield tmp
+        if not tmp.exists():
+            raise RuntimeError(f"{tmp} was not written")
+        if path.is_dir() and not path.is_symlink():  # appeared while the block ran
+            raise IsADirectoryError(f"{path} is a directory; give a file path (an existing folder is never replaced)")
+        os.replace(tmp, path)
+    finally:
+        remove_path(tmp)
+
+
+def remove_path(path: Path):
+    """Remove the file, link or folder PATH if there is one (a link is removed, not followed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def remove_stale_temporaries(path: PathLike):
+    """Remove the temporaries of PATH that killed runs left (``.NAME.tmp-*``, ``.NAME.old-*``
+    and the nested ``..NAME.tmp-*`` of versions before temporaries stopped nesting)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    name = glob.escape(path.name)
+    for pattern in (f".{name}.tmp-*", f"..{name}.tmp-*", f".{name}.old-*"):
+        for stale in path.parent.glob(pattern):
+            remove_path(stale)
+
+
+def atomic_write(path: PathLike, write: Callable[[str], None]) -> Path:
+    """Create PATH by ``write(temporary_name)`` (for writers that want a file name, such as
+    ``torch.save``) under :func:`atomic_path`'s rules; returns PATH."""
+    with atomic_path(path) as tmp:
+        write(str(tmp))
+    return Path(path)
+
+
+def write_lines(path: PathLike, lines: Iterable[str]):
+    """Write LINES (one per line, UTF-8, ``\\n``) to PATH atomically."""
+    with atomic_path(path) as tmp:
+        _write_lines_now(tmp, lines)
+
+
+def _write_lines_now(path: PathLike, lines: Iterable[str]):
+    """``write_lines`` straight into PATH, for a path that is already a temporary (a step's
+    output) or a scratch file nobody else reads."""
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for s in lines:
+            f.write(s)
+            f.write("\n")
+
+
+def write_json_atomically(obj, path: PathLike) -> Path:
+    """Write OBJ as indented JSON (non-ASCII text kept as is) through a temporary file and a
+    rename (never half a file); returns PATH. The format of the files people read: results,
+    summaries, run records of the commands."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+    return Path(path)
+
+
+def save_json(path: PathLike, obj):
+    """Write OBJ as JSON to PATH atomically, with sorted keys, so the records of data
+    preparation (cleaning counts, step outputs) come out byte for byte the same on a rerun."""
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_json(path: PathLike):
+    """The JSON document in PATH (what ``save_json`` or ``write_json_atomically`` wrote)."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))

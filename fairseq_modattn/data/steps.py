@@ -1,0 +1,114 @@
+"""Resumable steps: each writes its outputs atomically, then a marker saying what it was made from.
+
+``Steps(work_dir)``; ``steps.run(name, outputs, fn, inputs=(), params=None)`` calls
+``fn(*tmp_outputs)`` with temporary sibling paths of ``outputs``, renames them into place and
+only then writes the step's marker (atomically, in ``WORK_DIR/.steps/``). A step whose marker
+matches its params, the checksums of its inputs and the sizes of its outputs is skipped; an
+interrupted step leaves no marker, so a rerun redoes it (and overwrites its own outputs, never
+other files). A rerun first removes the temporaries a killed run left beside the step's outputs
+(``.NAME.tmp-*``, and the nested ``..NAME.tmp-*`` of older versions).
+
+Every recipe is a sequence of such steps, which is what lets ``fairseq-modattn prepare`` resume.
+"""
+
+import contextlib
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Callable, List, Sequence
+
+from ..atomic_files import PathLike, atomic_path, remove_stale_temporaries
+
+
+def sha256sum(path: PathLike) -> str:
+    """Hex sha256 of a file, or of a folder's files (names and contents, sorted)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for p in files:
+        if path.is_dir():
+            h.update(str(p.relative_to(path)).encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
+class Steps:
+    """Resumable, atomic data-preparation steps whose completion markers live in WORK_DIR/.steps/.
+
+    ``run(name, outputs, fn, inputs=(), params=None)``: if the marker of NAME exists and
+    records the same PARAMS (JSON-able), the same sha256 of every INPUT and the current size
+    of every OUTPUT, the step is skipped (returns False). Otherwise ``fn(*tmp_paths)`` writes
+    each output to a temporary sibling path, the runner renames them into place and then
+    writes the marker atomically (returns True). An exception in FN removes the temporaries
+    and leaves the step unmarked, so nothing it touched is trusted by a rerun.
+    """
+
+    def __init__(self, work_dir: PathLike, log: Callable[[str], None] = None):
+        self.work_dir = Path(work_dir)
+        self.marker_dir = self.work_dir / ".steps"
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.ran: List[str] = []
+        self.skipped: List[str] = []
+
+    def marker(self, name: str) -> Path:
+        return self.marker_dir / f"{name}.done.json"
+
+    def _record(self, name, outputs, inputs, params, output_sizes=None):
+        return {
+            "step": name,
+            "params": json.loads(json.dumps(params, default=str)),
+            "inputs": {str(p): sha256sum(p) for p in inputs},
+            "outputs": output_sizes or {str(p): _size(p) for p in outputs},
+        }
+
+    def is_done(self, name: str, outputs: Sequence[PathLike], inputs: Sequence[PathLike] = (),
+                params=None) -> bool:
+        marker = self.marker(name)
+        if not marker.is_file():
+            return False
+        try:
+            recorded = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        outputs = [Path(p) for p in outputs]
+        if any(not p.exists() for p in outputs):
+            return False
+        for p in outputs:
+            if recorded.get("outputs", {}).get(str(p)) != _size(p):
+                return False
+        want = self._record(name, [], [Path(p) for p in inputs], params, output_sizes={})
+        return recorded.get("params") == want["params"] and recorded.get("inputs") == want["inputs"]
+
+    def run(self, name: str, outputs: Sequence[PathLike], fn: Callable, inputs: Sequence[PathLike] = (),
+            params=None) -> bool:
+        outputs = [Path(p) for p in outputs]
+        inputs = [Path(p) for p in inputs]
+        if self.is_done(name, outputs, inputs, params):
+            self.log(f"[{name}] up to date, skipped")
+            self.skipped.append(name)
+            return False
+        self.log(f"[{name}] running")
+        marker = self.marker(name)
+        if marker.exists():
+            marker.unlink()
+        for p in outputs:  # temporaries of a run that was killed outright (SIGKILL, power loss)
+            remove_stale_temporaries(p)
+        with contextlib.ExitStack() as stack:
+            tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
+            fn(*tmps)
+            # leaving the stack renames every temporary onto its output (in reverse order)
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        record = self._record(name, outputs, inputs, params)
+        with atomic_path(marker) as tmp:
+            tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
+        self.ran.append(name)
+        return True

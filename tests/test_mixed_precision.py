@@ -58,7 +58,7 @@ import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat.py)
 from cli_checks import logged
 from conftest import fairseq_cli, run_cli
 from inprocess import FAMILIES, batches, build_trainer, train_args
-from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import AUX_LOG_KEYS
+from fairseq_modattn.models.dma_transformer import DMATransformerModel
 from fairseq_modattn.modules import gmm, interpolated_attention, mi_bounds
 from fairseq_modattn.modules.talking_heads_attention import TalkingHeadsAttention
 
@@ -72,7 +72,7 @@ FP16_INIT_SCALE = 4
 
 def expected_keys(family, *extra):
     keys = {"loss", "nll_loss", "gnorm", *extra}
-    return keys | set(AUX_LOG_KEYS) | {"ce_loss", "gamma"} if family == "dma" else keys
+    return keys | set(DMATransformerModel.aux_loss_names) | {"ce_loss", "gamma"} if family == "dma" else keys
 
 
 def check_training(rows, updates, keys):

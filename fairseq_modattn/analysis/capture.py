@@ -21,22 +21,15 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..compat import fairseq_attention_per_head_path
+# ATTENTION_TYPES: the names that callers of attention_modules (the demo) iterate over
+from ..models.attention_types import ATTENTION_TYPES, ATTRIBUTE_LABELS, layer_attribute, query_stack  # noqa: F401
 from . import AnalysisError
 from .loading import model_name
-
-#: attention type -> (encoder or decoder, attribute of a transformer layer)
-ATTENTION_TYPES = {
-    "enc_self": ("encoder", "self_attn"),
-    "dec_self": ("decoder", "self_attn"),
-    "enc_dec": ("decoder", "encoder_attn"),
-}
 
 
 def attention_modules(model: nn.Module, attention_type: str) -> List[Tuple[str, nn.Module]]:
     """[(name like 'encoder.layers.0.self_attn', module)] of ``attention_type``, one per layer."""
-    if attention_type not in ATTENTION_TYPES:
-        raise AnalysisError(f"unknown attention type {attention_type!r}; choose from {', '.join(ATTENTION_TYPES)}")
-    side, attr = ATTENTION_TYPES[attention_type]
+    side, attr = query_stack(attention_type), layer_attribute(attention_type)
     layers = getattr(getattr(model, side, None), "layers", None)
     found = []
     for index, layer in enumerate(layers or []):
@@ -58,9 +51,8 @@ def describe_module(name: str) -> str:
     parts = name.split(".")
     if len(parts) < 3 or parts[1] != "layers" or not parts[2].isdigit():
         return name
-    kinds = {"self_attn": "self-attention", "encoder_attn": "encoder-decoder attention"}
     text = f"{parts[0]} layer {int(parts[2]) + 1}"
-    return f"{text} {kinds.get(parts[3], parts[3])}" if len(parts) > 3 else text
+    return f"{text} {ATTRIBUTE_LABELS.get(parts[3], parts[3])}" if len(parts) > 3 else text
 
 
 def query_heads(module: nn.Module) -> int:
@@ -167,7 +159,7 @@ def record_modules(
 def query_padding_mask(sample: dict, attention_type: str, pad: int) -> Tensor:
     """(B, T) True on the real query positions of ``attention_type`` in a fairseq sample."""
     net_input = sample["net_input"]
-    tokens = net_input["src_tokens"] if attention_type == "enc_self" else net_input["prev_output_tokens"]
+    tokens = net_input["src_tokens"] if query_stack(attention_type) == "encoder" else net_input["prev_output_tokens"]
     return tokens.ne(pad).cpu()
 
 

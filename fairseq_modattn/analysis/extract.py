@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..models.attention_types import key_stack, query_stack
 from . import AnalysisError
 from .capture import (
     attention_modules,
@@ -34,13 +35,17 @@ from .redundancy import RedundancyAccumulator, RedundancyResult
 Log = Optional[Callable[[str], None]]
 
 
+#: the tokens of a stack's positions: the encoder reads the source, the decoder the target
+STACK_SIDES = {"encoder": "source", "decoder": "target"}
+
+
 def query_side(attention_type: str) -> str:
     """Whose tokens the queries of ``attention_type`` are: 'source' or 'target'."""
-    return "source" if attention_type == "enc_self" else "target"
+    return STACK_SIDES[query_stack(attention_type)]
 
 
 def key_side(attention_type: str) -> str:
-    return "target" if attention_type == "dec_self" else "source"
+    return STACK_SIDES[key_stack(attention_type)]
 
 
 def side_tokens(sample: dict, side: str):
@@ -196,7 +201,7 @@ def tim_competition(model, task, subset: str, index: int, side: str = "encoder")
         raise AnalysisError(f"the model has no TIM layers in its {side} (see --tim-{side}-layers)")
     if all(c is None for c in layers.values()):
         raise AnalysisError("the TIM layers were trained without competition (--tim-no-competition): nothing to show")
-    token_side = "source" if side == "encoder" else "target"
+    token_side = STACK_SIDES[side]
     tokens = token_strings(side_dictionary(task, token_side), side_tokens(sample, token_side)[0].tolist())
     return {
         "tokens": tokens,

@@ -1,11 +1,18 @@
-"""Label-smoothed cross-entropy plus the auxiliary losses a model reports.
+"""Label-smoothed cross-entropy plus the auxiliary losses a model reports,
 
-    L = CE_ls + c_kl KL + c_qq L_Dqq - c_xq L_Dxq + c_dv L_dv          (DMA paper, Eq. 15)
+    L = CE_ls + sum_k w_k aux_k,
 
-The model puts the terms in its decoder output's ``extra`` dict: ``aux_losses`` (name ->
-scalar), ``aux_loss_weights`` (name -> signed weight; the architecture holds the paper's
-values) and ``aux_reduction``. fairseq sums CE over target tokens and divides the gradient by
-``sample_size``, so
+e.g. DMA's L = CE_ls + c_kl KL + c_qq L_Dqq - c_xq L_Dxq + c_dv L_dv (DMA paper, Eq. 15).
+
+What a model declares, as class attributes (a model without them has no aux terms):
+
+    aux_loss_names    the terms it reports (DMA: kl, dqq, dxq, div);
+    aux_metric_names  values it reports for the log only (DMA: gamma).
+
+In each forward it puts them in its decoder output's ``extra`` dict: ``aux_losses`` (name ->
+scalar), ``aux_loss_weights`` (name -> signed weight w_k; the architecture holds the paper's
+values), ``aux_reduction`` and ``aux_metrics`` (name -> number). fairseq sums CE over target
+tokens and divides the gradient by ``sample_size``, so
 
     * "mean" (default): each aux term is a mean (per token or sentence, see
       ``modules/mi_bounds.py``) and enters the loss multiplied by ``sample_size``: the weights
@@ -16,12 +23,15 @@ values) and ``aux_reduction``. fairseq sums CE over target tokens and divides th
 
 Models without aux terms (a plain transformer) train with plain label-smoothed CE.
 
-Logged every interval and in validation (all ranks emit every key, 0 when absent):
+Logged every interval and in validation:
     loss, nll_loss   fairseq's (base 2, per token)
     ce_loss          the label-smoothed cross-entropy alone (base 2, per token)
-    kl, dqq, dxq, div the unweighted aux terms (nats, per sample_size unit: with the "sum"
-                      reduction the sentence sums divided by the target tokens)
-    gamma            the DMA mask interpolation weight in force
+    each aux term    unweighted (nats, per sample_size unit: with the "sum" reduction the
+                     sentence sums divided by the target tokens)
+    each aux metric  its mean over the samples (DMA: gamma, the mask weight in force)
+
+The model's declarations fix the keys, so that every rank emits the same ones (0 for a value
+a forward did not report) and fairseq's summed statistics stay in sync across ranks.
 """
 
 import math
@@ -35,7 +45,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.logging import metrics
 
-AUX_LOG_KEYS = ("kl", "dqq", "dxq", "div")
+#: the criterion's own logging keys: every other public key is a model's aux term or metric
+OWN_KEYS = ("loss", "ce_loss", "nll_loss", "ntokens", "nsentences", "sample_size", "n_correct", "total")
 
 
 @dataclass
@@ -53,9 +64,18 @@ class LabelSmoothedCrossEntropyWithAuxCriterion(LabelSmoothedCrossEntropyCriteri
         extra = net_output[1] if isinstance(net_output[1], dict) else {}
         aux = extra.get("aux_losses") or {}
         weights = extra.get("aux_loss_weights") or {}
+        aux_metrics = extra.get("aux_metrics") or {}
+        loss_names = tuple(getattr(model, "aux_loss_names", ()))
+        metric_names = tuple(getattr(model, "aux_metric_names", ()))
         unknown = set(aux) - set(weights)
         if unknown:
             raise KeyError(f"the model reports aux losses {sorted(unknown)} without a weight")
+        undeclared = (set(aux) - set(loss_names)) | (set(aux_metrics) - set(metric_names))
+        if undeclared:
+            raise KeyError(
+                f"the model reports {sorted(undeclared)} but does not declare them in its aux_loss_names / "
+                "aux_metric_names (the criterion logs the declared names on every rank)"
+            )
         reduction = extra.get("aux_reduction", "mean")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"the model reports aux_reduction {reduction!r}; expected 'mean' or 'sum'")
@@ -72,10 +92,11 @@ class LabelSmoothedCrossEntropyWithAuxCriterion(LabelSmoothedCrossEntropyCriteri
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
-            "gamma": float(extra.get("dma_gamma", 0.0)) * sample_size,
         }
-        for name in AUX_LOG_KEYS:
+        for name in loss_names:
             logging_output[name] = aux[name].data * scale if name in aux else 0.0
+        for name in metric_names:
+            logging_output[name] = float(aux_metrics.get(name, 0.0)) * sample_size
         if self.report_accuracy:
             n_correct, total = self.compute_accuracy(model, net_output, sample)
             logging_output["n_correct"] = utils.item(n_correct.data)
@@ -90,7 +111,10 @@ class LabelSmoothedCrossEntropyWithAuxCriterion(LabelSmoothedCrossEntropyCriteri
             return
         ce_sum = sum(log.get("ce_loss", 0) for log in logging_outputs)
         metrics.log_scalar("ce_loss", ce_sum / sample_size / math.log(2), sample_size, round=3)
-        for name in AUX_LOG_KEYS + ("gamma",):
+        # the model's terms and metrics, found as fairseq's own ModelCriterion finds a model's
+        # losses: the public keys beyond the criterion's (fairseq's tasks prefix theirs with "_")
+        names = dict.fromkeys(k for log in logging_outputs for k in log if k not in OWN_KEYS and not k.startswith("_"))
+        for name in names:
             total = sum(log.get(name, 0) for log in logging_outputs)
             metrics.log_scalar(name, utils.item(total) / sample_size, sample_size, round=4)
 

@@ -44,11 +44,12 @@ The three places where the authors' code is wrong stay fixed in both: the KL is 
 KL(q(z, c | x) || p(z, c)) (their code has KL(pi || P)), padded tokens enter no term, and
 decoder self-attention respects key padding.
 
-The model returns its regularisers in the decoder's ``extra`` dict (``aux_losses``;
-``aux_loss_weights``: their signed weights; ``aux_reduction``: "sum" when they are already
-summed over sentences, "mean" when they are per-token means) for the
-``label_smoothed_cross_entropy_with_aux`` criterion; they are computed only inside
-``forward`` (training and validation), never during generation.
+The model returns its regularisers in the decoder's ``extra`` dict (``aux_losses``, the terms
+named in ``aux_loss_names``; ``aux_loss_weights``: their signed weights; ``aux_reduction``:
+"sum" when they are already summed over sentences, "mean" when they are per-token means; and
+``aux_metrics``: gamma, for the log) for the ``label_smoothed_cross_entropy_with_aux``
+criterion; they are computed only inside ``forward`` (training and validation), never during
+generation.
 """
 
 from typing import Dict, List, Optional
@@ -71,18 +72,16 @@ from ..modules.dma_attention import (
 )
 from ..modules.gmm import GMM_INITS
 from ..modules.mi_bounds import DIV_FORMS, QQ_FORMS
+from .attention_types import ATTENTION_TYPES, parse_attention_types
 from .flag_types import check_finite, finite_float
 from .transformer_variant import (
-    ATTENTION_TYPES,
     AttentionSwapDecoderLayer,
     AttentionSwapEncoderLayer,
     TransformerVariantModel,
     VariantDecoder,
     VariantEncoder,
-    parse_attention_types,
 )
 
-DMA_ATTENTION_TYPES = ATTENTION_TYPES
 LOSS_REDUCTIONS = ("sentence", "token")
 
 #: --dma-objective: the defaults it gives the objective's flags (see the module docstring)
@@ -110,7 +109,7 @@ OBJECTIVES = {
 
 def dma_attention_types(cfg) -> List[str]:
     """The attention types given by --dma-attention (comma-separated), validated."""
-    return parse_attention_types(safe_getattr(cfg, "dma_attention", ",".join(DMA_ATTENTION_TYPES)), "--dma-attention")
+    return parse_attention_types(safe_getattr(cfg, "dma_attention", ",".join(ATTENTION_TYPES)), "--dma-attention")
 
 
 def validate_dma_args(args):
@@ -192,6 +191,11 @@ class DMATransformerDecoder(VariantDecoder):
 class DMATransformerModel(TransformerVariantModel):
     """Transformer whose attentions are ``DisentangledMaskAttention`` (see module docstring)."""
 
+    #: the regularisers ``forward`` reports, and the mask weight gamma it reports for the log
+    #: (the criterion's contract)
+    aux_loss_names = AUX_LOSS_NAMES
+    aux_metric_names = ("gamma",)
+
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -201,8 +205,8 @@ class DMATransformerModel(TransformerVariantModel):
         group.add_argument("--dma-clusters", type=int, metavar="N",
                            help="number of GMM clusters n_c of the token and query GMMs")
         group.add_argument("--dma-attention", type=str, metavar="TYPES",
-                           help="comma-separated attention types that use DMA: enc_self, dec_self, "
-                                "enc_dec, or 'none'")
+                           help=f"comma-separated attention types that use DMA: {', '.join(ATTENTION_TYPES)}, "
+                                "or 'none'")
         group.add_argument("--dma-objective", choices=tuple(OBJECTIVES), metavar="OBJ",
                            help="'authors' (default: the objective of the authors' code, which "
                                 "produced the paper's numbers and for which Table 5's weights were "
@@ -318,7 +322,7 @@ class DMATransformerModel(TransformerVariantModel):
         extra["aux_losses"] = self.reduce_aux_losses(modules, src_tokens.new_zeros((), dtype=torch.float32))
         extra["aux_loss_weights"] = self.aux_loss_weights
         extra["aux_reduction"] = "sum" if self.args.dma_loss_reduction == "sentence" else "mean"
-        extra["dma_gamma"] = modules[0].gamma if modules else 0.0
+        extra["aux_metrics"] = {"gamma": modules[0].gamma if modules else 0.0}
         for m in modules:
             m.aux_losses = None
         return decoder_out
@@ -333,9 +337,9 @@ class DMATransformerModel(TransformerVariantModel):
         """
         reported = [m for m in modules if m.aux_losses is not None]
         if not reported:
-            return {name: zero for name in AUX_LOSS_NAMES}
+            return {name: zero for name in self.aux_loss_names}
         if self.args.dma_loss_reduction == "token":
-            return {name: torch.stack([m.aux_losses[name] for m in reported]).mean() for name in AUX_LOSS_NAMES}
+            return {name: torch.stack([m.aux_losses[name] for m in reported]).mean() for name in self.aux_loss_names}
         by_type: Dict[str, List[DisentangledMaskAttention]] = {}
         for m in reported:
             by_type.setdefault(m.attention_type, []).append(m)
@@ -343,7 +347,7 @@ class DMATransformerModel(TransformerVariantModel):
             name: sum(
                 torch.stack([m.aux_losses[name] for m in layers]).mean(0).sum() for layers in by_type.values()
             )
-            for name in AUX_LOSS_NAMES
+            for name in self.aux_loss_names
         }
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
@@ -375,7 +379,7 @@ def _dma_defaults(args, clusters, qq, xq, grad):
 @register_model_architecture("dma_transformer", "dma_transformer")
 def dma_base_architecture(args):
     _dma_defaults(args, clusters=4, qq=100.0, xq=10.0, grad=10.0)
-    args.dma_attention = safe_getattr(args, "dma_attention", ",".join(DMA_ATTENTION_TYPES))
+    args.dma_attention = safe_getattr(args, "dma_attention", ",".join(ATTENTION_TYPES))
     args.dma_objective = safe_getattr(args, "dma_objective", "authors")
     if args.dma_objective not in OBJECTIVES:
         raise ValueError(f"--dma-objective must be one of {tuple(OBJECTIVES)}, got {args.dma_objective!r}")

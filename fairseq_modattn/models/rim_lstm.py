@@ -80,10 +80,8 @@ from fairseq.modules import FairseqDropout
 from fairseq.utils import safe_getattr
 from torch import Tensor, nn
 
-from ..modules.rim import RIMLayer
+from ..modules.rim import CELL_TYPES, RIMLayer, check_cell_type
 from .flag_types import finite_float
-
-CELLS = ("lstm", "gru")
 
 # fairseq's LSTM-encoder flags that LSTMModel.add_args defines but a RIM encoder replaces.
 REPLACED_ENCODER_FLAGS = {
@@ -111,8 +109,7 @@ def validate_rim_args(args):
     n, k = args.rim_num, args.rim_top_k
     if not 1 <= k <= n:
         raise ValueError(f"--rim-top-k ({k}) must be >= 1 and <= --rim-num ({n})")
-    if args.rim_cell not in CELLS:
-        raise ValueError(f"--rim-cell must be one of {', '.join(CELLS)}, got {args.rim_cell!r}")
+    check_cell_type(args.rim_cell, "--rim-cell")
     divisible = [
         ("--rim-input-key-size", args.rim_input_key_size, "--rim-input-heads", args.rim_input_heads),
         ("--rim-input-value-size", args.rim_input_value_size, "--rim-input-heads", args.rim_input_heads),
@@ -261,7 +258,7 @@ class RIMLSTMModel(LSTMModel):
         group.add_argument("--rim-bidirectional", action="store_true",
                            help="a second set of n RIMs reads each layer's input right to left")
         group.add_argument("--rim-cell", type=str, metavar="CELL",
-                           help="recurrent cell of each RIM: lstm or gru")
+                           help=f"recurrent cell of each RIM: {' or '.join(CELL_TYPES)}")
         group.add_argument("--rim-input-key-size", type=int, metavar="N",
                            help="query/key width of the input attention (all heads together)")
         group.add_argument("--rim-input-value-size", type=int, metavar="N",

@@ -31,13 +31,13 @@ from fairseq.models.transformer import (
 from fairseq.utils import safe_getattr
 
 from ..modules.talking_heads_attention import TalkingHeadsAttention
+from .attention_types import ATTENTION_TYPES, parse_attention_types, query_stack
 from .transformer_variant import (
     AttentionSwapDecoderLayer,
     AttentionSwapEncoderLayer,
     TransformerVariantModel,
     VariantDecoder,
     VariantEncoder,
-    parse_attention_types,
 )
 
 
@@ -78,10 +78,10 @@ def validate_talking_heads_args(args):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    types = talking_heads_attention_types(args)
-    sides = {"encoder": "enc_self" in types, "decoder": "dec_self" in types or "enc_dec" in types}
-    for side, used in sides.items():
-        if not used:
+    # a module's heads split the width of the stack whose layers hold it
+    sides = {query_stack(t) for t in talking_heads_attention_types(args)}
+    for side in ("encoder", "decoder"):
+        if side not in sides:
             continue
         dim = getattr(args, f"{side}_embed_dim")
         key_heads, heads, value_heads = head_counts(args, getattr(args, f"{side}_attention_heads"))
@@ -119,8 +119,8 @@ class TalkingHeadsTransformerModel(TransformerVariantModel):
         group = parser.add_argument_group("talking-heads attention")
         # No default= here: fairseq suppresses argparse defaults; the architecture functions fill them.
         group.add_argument("--th-attention", type=str, metavar="TYPES",
-                           help="comma-separated attention types that use talking heads: enc_self, "
-                                "dec_self, enc_dec, or 'none' (default: enc_self, the paper's best place)")
+                           help="comma-separated attention types that use talking heads: "
+                                f"{', '.join(ATTENTION_TYPES)}, or 'none' (default: enc_self, the paper's best place)")
         group.add_argument("--th-heads", type=int, metavar="H",
                            help="h, the softmax heads (default: the side's --*-attention-heads)")
         group.add_argument("--th-key-heads", type=int, metavar="HK",

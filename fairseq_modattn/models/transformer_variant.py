@@ -1,18 +1,17 @@
 """What the plugin's transformer families share: fairseq's transformer with some attentions or
 layers replaced, built through fairseq's own hooks.
 
-* ``parse_attention_types``: the ``--<family>-attention`` flags (which of encoder self-,
-  decoder self- and encoder-decoder attention use the family's attention module);
 * ``AttentionSwapEncoderLayer`` / ``AttentionSwapDecoderLayer``: fairseq's layers whose
   ``build_self_attention`` / ``build_encoder_attention`` return the family's module for the
-  selected types and fairseq's ``MultiheadAttention`` otherwise;
+  attention types (``attention_types.py``) a ``--<family>-attention`` flag selects and fairseq's
+  ``MultiheadAttention`` otherwise;
 * ``VariantEncoder`` / ``VariantDecoder``: fairseq's encoder and decoder building a given layer
   class, wrapped (activation checkpointing, FSDP) exactly as fairseq wraps its own layers;
 * ``TransformerVariantModel``: ``TransformerModel`` that fills the family's defaults and
   validates its flags before building, then builds ``encoder_class`` / ``decoder_class``.
 """
 
-from typing import List, Sequence
+from typing import List
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import (
@@ -25,20 +24,6 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from ..modules.attention_base import MultiheadAttentionBase
-
-ATTENTION_TYPES = ("enc_self", "dec_self", "enc_dec")
-
-
-def parse_attention_types(value: str, flag: str, allowed: Sequence[str] = ATTENTION_TYPES) -> List[str]:
-    """A comma-separated subset of ``allowed`` (or 'none') given on ``flag``, validated."""
-    types = [t.strip() for t in value.split(",") if t.strip()] if value.strip().lower() != "none" else []
-    unknown = [t for t in types if t not in allowed]
-    if unknown:
-        raise ValueError(
-            f"{flag}: unknown attention type(s) {unknown}; "
-            f"expected a comma-separated subset of {','.join(allowed)} or 'none'"
-        )
-    return types
 
 
 def wrap_layer(layer, cfg):
@@ -54,7 +39,7 @@ class AttentionSwap:
 
     @staticmethod
     def attention_types(cfg) -> List[str]:
-        """The attention types (``ATTENTION_TYPES``) that use the family's module."""
+        """The attention types (``attention_types.ATTENTION_TYPES``) that use the family's module."""
         raise NotImplementedError
 
     @staticmethod

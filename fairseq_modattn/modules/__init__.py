@@ -1,6 +1,6 @@
 """Plain nn.Modules (no fairseq registration): the math of each method."""
 
-from .attention_base import MultiheadAttentionBase, capture_attention
+from .attention_base import MultiheadAttentionBase
 from .dma_attention import DisentangledMaskAttention, annealing_rate
 from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .gmm import DiagonalGMM, GMMStatistics
@@ -25,7 +25,6 @@ __all__ = [
     "TIMEncoderLayer",
     "TalkingHeadsAttention",
     "annealing_rate",
-    "capture_attention",
     "interpolated_masked_attention",
     "log_semantic_mask",
     "mix_heads",

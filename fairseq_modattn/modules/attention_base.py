@@ -15,20 +15,30 @@ initialisation) that owns everything a variant should not have to re-implement:
       search (fairseq's ``set_beam_size``) one copy of a sentence's encoder keys shared by its
       beams, as fairseq's own attention keeps them;
     * head-averaged / per-head weights for fairseq callers (``need_weights``,
-      ``need_head_weights``) and opt-in recording of the weights for analysis.
+      ``need_head_weights``; the analysis reads them through these flags, see
+      ``analysis/capture.py``).
 
-A variant implements two hooks:
+A variant overrides two hooks:
 
     token_state(x)  -> dict of per-token tensors (B, H, N, *) computed from a *module input*
                        (queries' input, and keys' input for cross-attention; self-attention
                        computes it once and uses it on both sides); an entry "input" (N, B, E)
                        replaces x as what the query (cross-attention: key) projection reads,
                        e.g. DMA's training sample; values always read the given input;
+                       none by default;
     attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
-                    -> (out (B, H, T, d), weights (B, H, T, S) or None)
+                    -> (out (B, H, T, d), weights (B, H, T, S) or None); by default
+                       scaled dot-product attention (Vaswani et al. 2017, section 3.2.1),
+
+                           out = dropout(softmax(q k^T / sqrt(d) + mask)) v,
+
+                       fused (``scaled_dot_product_attention``) unless the weights are asked
+                       for, else explicit with the softmax in at least fp32 (``precision``).
 
 ``mask`` is the additive mask described above and ``key_padding_mask`` the (B, S) padding of
-the (possibly cached) keys, for variants that need to know which keys are real.
+the (possibly cached) keys, for variants that need to know which keys are real. Variants that
+compute the weights themselves build on ``attention_logits``, ``explicit_softmax`` and
+``weighted_values``, the steps of the explicit path.
 
 Two more knobs for variants whose projections are not one dense matrix per head:
 
@@ -40,14 +50,15 @@ Two more knobs for variants whose projections are not one dense matrix per head:
       ``GroupLinear``); ``reset_parameters`` calls ``init_projection`` on each.
 """
 
-from contextlib import contextmanager
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
+
+from .precision import at_least_fp32
 
 
 def combine_padding_masks(
@@ -151,9 +162,6 @@ class MultiheadAttentionBase(nn.Module):
 
         #: fairseq's beam size (``set_beam_size``); > 1 shares encoder keys among the beams
         self.beam_size = 1
-        #: set to True (see ``capture_attention``) to keep the last weights in ``last_weights``
-        self.record_weights = False
-        self.last_weights: Optional[Tensor] = None
         self.reset_parameters()
 
     def build_projection(self, in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
@@ -190,7 +198,12 @@ class MultiheadAttentionBase(nn.Module):
         key_padding_mask: Optional[Tensor],
         need_weights: bool,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        raise NotImplementedError
+        """Scaled dot-product attention (module docstring); the weights only if ``need_weights``."""
+        if not need_weights:
+            p = self.dropout if self.training else 0.0
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p), None
+        weights = self.explicit_softmax(self.attention_logits(q, k, mask))
+        return self.weighted_values(weights, v), weights
 
     # ----------------------------------------------------------------- helpers
     @staticmethod
@@ -219,7 +232,7 @@ class MultiheadAttentionBase(nn.Module):
         """
         if before_softmax:
             raise NotImplementedError(f"{type(self).__name__} does not return pre-softmax scores")
-        need_weights = need_weights or need_head_weights or self.record_weights
+        need_weights = need_weights or need_head_weights
         tgt_len, bsz, _ = query.shape
         beams = self._beams_sharing_keys(incremental_state, bsz)
 
@@ -304,8 +317,6 @@ class MultiheadAttentionBase(nn.Module):
 
         if not need_weights or weights is None:
             return out, None
-        if self.record_weights:
-            self.last_weights = weights.detach()
         weights = weights.to(out.dtype)
         if need_head_weights:
             return out, weights.transpose(0, 1)
@@ -335,12 +346,24 @@ class MultiheadAttentionBase(nn.Module):
 
         return expand(k), expand(v), {name: expand(t) for name, t in k_state.items()}, expand(key_padding_mask)
 
+    # ----------------------------------------------------------------- the explicit path
+    def attention_logits(self, q: Tensor, k: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """q k^T / sqrt(d) + mask (B, H, T, S), in at least fp32: the weights-returning path
+        keeps its logits out of half precision, as fairseq's does."""
+        dtype = at_least_fp32(q)
+        logits = torch.matmul(q.to(dtype) * self.head_dim ** -0.5, k.to(dtype).transpose(-1, -2))
+        return logits if mask is None else logits + mask.to(dtype)
+
     def explicit_softmax(self, logits: Tensor) -> Tensor:
         """Softmax in (at least) fp32 (fairseq does the same) for the weights-returning path."""
-        return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        return torch.softmax(logits.to(at_least_fp32(logits)), dim=-1)
 
     def apply_dropout(self, weights: Tensor) -> Tensor:
         return F.dropout(weights, p=self.dropout, training=self.training)
+
+    def weighted_values(self, weights: Tensor, v: Tensor) -> Tensor:
+        """dropout(weights) v in the values' dtype, (B, H, T, d_v)."""
+        return torch.matmul(self.apply_dropout(weights).to(v.dtype), v)
 
     # ----------------------------------------------------------------- incremental state
     def _get_input_buffer(
@@ -393,21 +416,3 @@ def _unfold_beams(t: Tensor, beams: int) -> Tensor:
     """The inverse of ``_fold_beams``: (n, h, beams * T, *) -> (n * beams, h, T, *)."""
     unfolded = t.view(t.size(0), t.size(1), beams, -1, *t.shape[3:]).transpose(1, 2)
     return unfolded.reshape(-1, *unfolded.shape[2:])
-
-
-@contextmanager
-def capture_attention(model: nn.Module) -> Iterator[Dict[str, MultiheadAttentionBase]]:
-    """Record the final attention weights of every package attention module inside ``model``.
-
-    Within the block each module takes its weights-returning path and keeps the weights of its
-    last call, shape (B, H, T, S), in ``module.last_weights``; the default (fused) path is
-    untouched outside the block. Yields {module name: module}.
-    """
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, MultiheadAttentionBase)}
-    for m in modules.values():
-        m.record_weights = True
-    try:
-        yield modules
-    finally:
-        for m in modules.values():
-            m.record_weights = False

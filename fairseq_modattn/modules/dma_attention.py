@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
-from .gmm import DiagonalGMM, at_least_fp32
+from .gmm import DiagonalGMM
 from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .mi_bounds import (
     DIV_FORMS,
@@ -250,24 +250,15 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             self.aux_losses = self.regularisers(u, q_state, k_state, key_padding_mask, query_noise)
         if query_noise is not None:  # q~ = (u + s eps') / scale
             q = torch.add(q, query_noise, alpha=math.sqrt(self.noise_var) / self.query_gmm_scale)
+        if gamma == 0.0:  # A^ = A: plain attention
+            return super().attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
         if need_weights:
-            log_m = None
-            if gamma > 0.0:
-                log_m = log_semantic_mask(q_state["log_p"], k_state["log_p"])
-            scale = self.head_dim ** -0.5
-            dtype = at_least_fp32(q)
-            logits = torch.matmul(q.to(dtype) * scale, k.to(dtype).transpose(-1, -2))
-            if mask is not None:
-                logits = logits + mask.to(dtype)
-            weights = self.explicit_softmax(logits)
-            if log_m is not None:
-                weights = (1.0 - gamma) * weights + gamma * self.explicit_softmax(logits + log_m)
-            out = torch.matmul(self.apply_dropout(weights).to(v.dtype), v)
-            return out, weights
+            log_m = log_semantic_mask(q_state["log_p"], k_state["log_p"])
+            logits = self.attention_logits(q, k, mask)
+            weights = (1.0 - gamma) * self.explicit_softmax(logits) + gamma * self.explicit_softmax(logits + log_m)
+            return self.weighted_values(weights, v), weights
 
         p = self.dropout if self.training else 0.0
-        if gamma == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p), None
         if self.uses_fused_kernel(q):
             out = interpolated_masked_attention(q, k, v, q_state["log_p"], k_state["log_p"], mask, gamma, p)
             return out, None

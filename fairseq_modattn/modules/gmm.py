@@ -37,14 +37,7 @@ import torch.nn as nn
 from fairseq.modules import GradMultiply
 from torch import Tensor
 
-
-def at_least_fp32(*tensors: Tensor) -> torch.dtype:
-    """The dtype "fp32" computations run in: fp32 for half/bf16/fp32 inputs, fp64 for fp64."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
+from .precision import at_least_fp32
 
 #: "xavier" (the DMA authors' initialisation) or "spread" (N(0, 1) centres, unit variances)
 GMM_INITS = ("xavier", "spread")

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import blocking
+from .precision import at_least_fp32
 
 
 def _batch_slice(t: Optional[Tensor], block: slice) -> Optional[Tensor]:
@@ -41,7 +42,7 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_post_q, log_post_k, mask, gamma, dropout_p):
         with torch.autocast(device_type=q.device.type, enabled=False):
-            dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+            dtype = at_least_fp32(q)
             scale = q.size(-1) ** -0.5
             post_q, post_k = log_post_q.to(dtype).exp(), log_post_k.to(dtype).exp()
             bsz, heads, tgt_len, _ = q.shape
@@ -145,7 +146,7 @@ def log_semantic_mask(log_pq: Tensor, log_pk: Tensor) -> Tensor:
     log(tiny), finite, so softmax(S + log M) stays defined.
     """
     with torch.autocast(device_type=log_pq.device.type, enabled=False):
-        dtype = torch.promote_types(torch.promote_types(log_pq.dtype, log_pk.dtype), torch.float32)
+        dtype = at_least_fp32(log_pq, log_pk)
         return _log_mask(log_pq.to(dtype).exp(), log_pk.to(dtype).exp())
 
 

@@ -3,6 +3,8 @@
 import torch
 from torch import Tensor
 
+from .precision import at_least_fp32
+
 
 def log_matmul_exp(log_a: Tensor, log_b: Tensor) -> Tensor:
     """log( exp(log_a) @ exp(log_b)^T ) for (..., I, C) and (..., J, C), in fp32.
@@ -12,8 +14,7 @@ def log_matmul_exp(log_a: Tensor, log_b: Tensor) -> Tensor:
     is clamped at log(tiny) ~ -87 (plus the shifts) instead of -inf, keeping it finite.
     """
     with torch.autocast(device_type=log_a.device.type, enabled=False):
-        # fp32 for half/bf16/fp32 inputs; fp64 stays fp64 (gradcheck)
-        dtype = torch.promote_types(torch.promote_types(torch.float32, log_a.dtype), log_b.dtype)
+        dtype = at_least_fp32(log_a, log_b)  # fp64 stays fp64 (gradcheck)
         log_a, log_b = log_a.to(dtype), log_b.to(dtype)
         shift_a = log_a.amax(-1, keepdim=True)
         shift_b = log_b.amax(-1, keepdim=True)

@@ -79,8 +79,8 @@ import torch
 from torch import Tensor
 
 from . import blocking
-from .gmm import at_least_fp32
 from .logspace import log_matmul_exp
+from .precision import at_least_fp32
 
 
 def in_fp32(bound):

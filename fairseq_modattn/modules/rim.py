@@ -74,11 +74,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .group_linear import GroupLinear
+from .precision import at_least_fp32
 
 #: (h, c), each (B, n, d_r); c is None for GRU cells
 RIMState = Tuple[Tensor, Optional[Tensor]]
 
+#: the recurrent cell of each RIM (``RIMCell``'s ``cell``)
 CELL_TYPES = ("lstm", "gru")
+
+
+def check_cell_type(cell: str, name: str):
+    """ValueError unless ``cell`` is one of ``CELL_TYPES``; ``name`` says where it was given (a
+    parameter, or a model's flag)."""
+    if cell not in CELL_TYPES:
+        raise ValueError(f"{name} must be one of {', '.join(CELL_TYPES)}, got {cell!r}")
 
 
 def _init_like_rnn_cell(linear: GroupLinear, hidden_size: int, num_biases: int):
@@ -308,8 +317,7 @@ class RIMCell(nn.Module):
             raise ValueError(f"RIMCell: rim_size must be >= 1, got {rim_size}")
         if not 1 <= top_k <= num_rims:
             raise ValueError(f"RIMCell: top_k must be between 1 and num_rims ({num_rims}), got {top_k}")
-        if cell not in CELL_TYPES:
-            raise ValueError(f"RIMCell: cell must be one of {', '.join(CELL_TYPES)}, got {cell!r}")
+        check_cell_type(cell, "RIMCell: cell")
         _check_divisible(input_key_size, "input_key_size", input_heads, "input_heads")
         _check_divisible(input_value_size, "input_value_size", input_heads, "input_heads")
         if communication:
@@ -453,7 +461,7 @@ class RIMCell(nn.Module):
         # input attention: (B, H, n, d_k) @ (B, H, d_k, 2) -> logits of [null, x] per RIM and head
         q = q.reshape(batch, n, heads, -1).transpose(1, 2)
         logits = torch.matmul(q, keys.to(q.dtype)) * (q.size(-1) ** -0.5)
-        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        probs = torch.softmax(logits.to(at_least_fp32(logits)), dim=-1)
         active = self._select(probs[..., 0].mean(dim=1))
         p = F.dropout(probs, self.input_dropout, self.training).transpose(1, 2)  # (B, n, H, 2)
         gates_in = p[..., 0:1] * gate_null + p[..., 1:2] * gate_x  # (B, n, H, G)
@@ -501,7 +509,7 @@ class RIMCell(nn.Module):
         k = k.reshape(batch, n, heads, -1).transpose(1, 2)
         v = v.reshape(batch, n, heads, -1).transpose(1, 2)
         logits = torch.matmul(q, k.transpose(-1, -2)) * (q.size(-1) ** -0.5)  # (B, H_c, n, n)
-        weights = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        weights = torch.softmax(logits.to(at_least_fp32(logits)), dim=-1)
         weights = F.dropout(weights, self.comm_dropout, self.training).to(v.dtype)
         read = torch.matmul(weights, v).transpose(1, 2).reshape(batch, n * self.comm_value_size)
         return self.comm_out(read).view(batch, n, self.rim_size)

@@ -75,6 +75,7 @@ from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
 from .group_linear import GroupLayerNorm, GroupLinear
+from .precision import at_least_fp32
 
 #: initial gain of the competition scores: small, so that c starts close to uniform (1 / n_s)
 #: and no mechanism is starved of updates before it has learnt anything
@@ -106,7 +107,8 @@ class MechanismAttention(MultiheadAttentionBase):
     mechanism's heads see only that mechanism's features and write only its slice. In
     encoder-decoder attention the keys/values come from the un-split encoder output: k and v are
     then dense ``nn.Linear(kdim, D)`` (each mechanism's heads read the whole encoder output)
-    while q and out stay grouped.
+    while q and out stay grouped. Within its heads it is plain scaled dot-product attention,
+    the base class's ``attend``.
     """
 
     def __init__(
@@ -139,28 +141,6 @@ class MechanismAttention(MultiheadAttentionBase):
             proj.reset_parameters(gain)  # Xavier per mechanism: per block as fairseq's per matrix
         else:
             super().init_projection(proj, gain)
-
-    def attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        q_state: Dict[str, Tensor],
-        k_state: Dict[str, Tensor],
-        mask: Optional[Tensor],
-        key_padding_mask: Optional[Tensor],
-        need_weights: bool,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        if need_weights:
-            dtype = torch.promote_types(q.dtype, torch.float32)
-            logits = torch.matmul(q.to(dtype) * self.head_dim ** -0.5, k.to(dtype).transpose(-1, -2))
-            if mask is not None:
-                logits = logits + mask.to(dtype)
-            weights = self.explicit_softmax(logits)
-            out = torch.matmul(self.apply_dropout(weights).to(v.dtype), v)
-            return out, weights
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p), None
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, mechanisms={self.num_mechanisms}"
@@ -290,7 +270,7 @@ class InterMechanismAttention(nn.Module):
         q, k, v = qkv.unbind(2)  # each (n_s, N, H_c, d_K)
         # scores[i, j, :, h] = <q_i, k_j>_h / sqrt(d_K); softmax over the key mechanism j
         scores = (q.unsqueeze(1) * k.unsqueeze(0)).sum(-1) * self.head_dim ** -0.5  # (n_s, n_s, N, H_c)
-        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=1)
+        weights = torch.softmax(scores.to(at_least_fp32(scores)), dim=1)
         weights = F.dropout(weights, self.dropout, self.training).to(v.dtype)
         out = (weights.unsqueeze(-1) * v.unsqueeze(0)).sum(1)  # (n_s, N, H_c, d_K)
         out = out.reshape(n, -1, self.attn_dim)
@@ -385,7 +365,7 @@ class TIMLayerBase(nn.Module):
             self.last_competition = None
             return None
         scores = self.competition(x)
-        c = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(x.dtype)
+        c = torch.softmax(scores.to(at_least_fp32(scores)), dim=-1).to(x.dtype)
         self.last_competition = c.detach().transpose(0, 1)
         return c
 

@@ -2,7 +2,7 @@
 """Speed of the RIM encoder against fairseq's LSTM encoder of equal hidden size.
 
 Both models are built in one process through fairseq's own registries, exactly as
-``fairseq-train`` builds them (``bench_dma.build``: ``fairseq.options`` parses the ``--arch``,
+``fairseq-train`` builds them (``harness.build``: ``fairseq.options`` parses the ``--arch``,
 a real ``TranslationTask`` over a synthetic ``--dict-size`` dictionary, the same ``--seed``):
 
     rim_lstm   --arch rim_lstm_iwslt_de_en [--rim-args ...]   n = 6 RIMs of d_r = 100 (k = 4
@@ -18,12 +18,12 @@ a real ``TranslationTask`` over a synthetic ``--dict-size`` dictionary, the same
 ``--rim-args`` both models get ``--decoder-layers L``.)
 
 Measured, per length L (``--lengths``, default 32 128), on a batch of ``--tokens // L`` random
-sentences of L tokens (``bench_dma.training_sample``: no padding), in train mode:
+sentences of L tokens (``harness.training_sample``: no padding), in train mode:
 
     encoder step   the encoder alone, forward + backward of mean(outputs^2) + mean(h^2) + mean(c^2)
                    (a loss that reaches every encoder parameter through outputs and final states);
     model step     the whole model, criterion ``label_smoothed_cross_entropy`` (0.1) + backward,
-                   as fairseq's trainer runs it (``bench_dma.timed_step``); skip with ``--no-model``.
+                   as fairseq's trainer runs it (``harness.timed_step``); skip with ``--no-model``.
 
 Gradients are set to None before every step (outside the timer). Per length, every step kind
 first runs ``--warmup`` untimed steps, then ``--repeats`` timed ones, interleaved (lstm encoder,
@@ -33,7 +33,7 @@ at most 4 x the LSTM encoder's on the 2-core CPU.
 
 Output: the table and a JSON file (``--json``, default benchmarks/results/bench_rim.json,
 rewritten after every length) with per-repeat times, parameter counts, versions and the git
-commit / plugin source hash (``bench_dma.provenance``).
+commit / plugin source hash (``harness.provenance``).
 
 Examples:
     python benchmarks/bench_rim.py --threads 2                          # full run, CPU
@@ -46,15 +46,13 @@ Examples:
 import argparse
 import shlex
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-# bench_dma.py lives next to this script; it holds the shared measuring code
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_dma import (  # noqa: E402
+# harness.py, beside this script, holds the measuring code shared with bench_dma.py and
+# bench_variants.py; it comes first because it also puts the checkout on sys.path
+from harness import (
     REPO,
     build,
     prepare_run,
@@ -70,9 +68,9 @@ from bench_dma import (  # noqa: E402
     zero_grad,
 )
 
-from fairseq.models.lstm import LSTMEncoder  # noqa: E402
+from fairseq.models.lstm import LSTMEncoder
 
-from fairseq_modattn.models.rim_lstm import RIMEncoder  # noqa: E402
+from fairseq_modattn.models.rim_lstm import RIMEncoder
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "bench_rim.json"
 CRITERION = "label_smoothed_cross_entropy"

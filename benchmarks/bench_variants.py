@@ -20,14 +20,14 @@ Talking heads is compared with the transformer of the same width (it adds only 2
 parameters per module); TIM with the transformer of equal parameter count (``tim_matched``,
 the paper's comparison); ``tim`` shows what the block-diagonal maps alone cost or save.
 
-Training step (``--lengths``, default 32 128 512): as ``bench_dma.py`` (whose measuring
-functions this script uses): a batch of ``--tokens // L`` sentences of L random tokens, one
+Training step (``--lengths``, default 32 128 512): as ``bench_dma.py``, with the measuring
+code they share (``harness.py``): a batch of ``--tokens // L`` sentences of L random tokens, one
 measured step is criterion + backward in train mode with gradients set to None beforehand;
 per length each model first runs the peak-memory step (untimed), then ``--warmup`` untimed and
 ``--repeats`` timed steps, the models interleaved so that drifts of the machine hit all alike;
 medians are reported. Peak memory is the tensor memory allocated during one step above what was
 allocated before it (CUDA: ``max_memory_allocated``; CPU: the profiler's allocation events; see
-``bench_dma.py``).
+``harness.py``).
 
 Generation (skip with ``--no-generate``): every model translates the same synthetic sources
 with fairseq's ``SequenceGenerator`` (beam ``--beam``, exactly ``--gen-len`` tokens + EOS per
@@ -47,34 +47,31 @@ Examples:
 import argparse
 import gc
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-# bench_dma.py lives next to this script; it holds the shared measuring code
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_dma import (  # noqa: E402
+# harness.py, beside this script, holds the measuring code shared with bench_dma.py and
+# bench_rim.py; it comes first because it also puts the checkout on sys.path
+from harness import (
     REPO,
     build,
-    is_out_of_memory,
-    prepare_run,
-    peak_step_mb,
+    fmt,
+    interleaved_step_times,
+    measure_peak,
     per_length,
+    prepare_run,
+    ratio_cell,
     results_header,
     synthetic_dictionary,
     time_generation,
-    timed_step,
-    train_step,
     training_sample,
     versions_line,
     write_json,
-    zero_grad,
 )
 
-from fairseq_modattn.modules import TalkingHeadsAttention  # noqa: E402
-from fairseq_modattn.modules.tim_layer import TIMLayerBase  # noqa: E402
+from fairseq_modattn.modules import TalkingHeadsAttention
+from fairseq_modattn.modules.tim_layer import TIMLayerBase
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "bench_variants.json"
 CRITERION = "label_smoothed_cross_entropy"
@@ -120,29 +117,10 @@ def bench_training(entries, cfg, d, device, on_row=None):
         peaks, oom = {}, {}
         for e in entries:
             e["model"].train()
-            try:
-                peaks[e["name"]], _ = peak_step_mb(e, sample, device)
-            except Exception as exc:  # noqa: BLE001  (only allocation failures are absorbed)
-                if not is_out_of_memory(exc):
-                    raise
-                oom[e["name"]] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                peaks[e["name"]] = None
-                del exc
-                zero_grad(e["model"])
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        running = [e for e in entries if e["name"] not in oom]
-        for _ in range(warmups[length]):
-            for e in running:
-                zero_grad(e["model"])
-                train_step(e, sample)
-        times = {e["name"]: [] for e in entries}
-        for _ in range(max(repeats[length], 1)):
-            for e in running:
-                times[e["name"]].append(timed_step(e, sample, device))
-        for e in entries:
-            zero_grad(e["model"])
+            peaks[e["name"]], _, note = measure_peak(e, sample, device)
+            if note is not None:
+                oom[e["name"]] = note
+        times = interleaved_step_times(entries, sample, device, warmups[length], repeats[length], skip=oom)
         del sample
         gc.collect()
 
@@ -160,7 +138,7 @@ def bench_training(entries, cfg, d, device, on_row=None):
             }
         rows.append(row)
         print(f"  L={length:4d} B={bsz:4d}: " + " | ".join(
-            f"{name} {fmt(m['ms'], 1)} ms {fmt(m['mb'], 1)} MB" for name, m in row["models"].items()), flush=True)
+            f"{name} {fmt(m['ms'], 0, 1)} ms {fmt(m['mb'], 0, 1)} MB" for name, m in row["models"].items()), flush=True)
         if on_row is not None:
             on_row(rows)
     return rows
@@ -177,10 +155,6 @@ def bench_generation(entries, cfg, d, device):
     return result
 
 
-def fmt(value, digits, width=0):
-    return f"{value:>{width}.{digits}f}" if value is not None else f"{'OOM':>{width}}"
-
-
 def format_table(rows, names):
     others = [n for n in names if n != BASELINE]
     header = f"{'length':>6} {'batch':>5} {'transformer ms':>14} " + " ".join(
@@ -189,11 +163,10 @@ def format_table(rows, names):
     lines = [header, "-" * len(header)]
     for r in rows:
         m = r["models"]
-        ratio = lambda v: f"{v:>5.2f}" if v is not None else f"{'-':>5}"  # noqa: E731
-        line = f"{r['length']:>6} {r['batch']:>5} {fmt(m[BASELINE]['ms'], 1, 14)} "
-        line += " ".join(f"{fmt(m[n]['ms'], 1, 16)} {ratio(m[n]['time_ratio'])}" for n in others)
-        line += f" {fmt(m[BASELINE]['mb'], 1, 14)} "
-        line += " ".join(f"{fmt(m[n]['mb'], 1, 16)} {ratio(m[n]['memory_ratio'])}" for n in others)
+        line = f"{r['length']:>6} {r['batch']:>5} {fmt(m[BASELINE]['ms'], 14, 1)} "
+        line += " ".join(f"{fmt(m[n]['ms'], 16, 1)} {ratio_cell(m[n]['time_ratio'], 5)}" for n in others)
+        line += f" {fmt(m[BASELINE]['mb'], 14, 1)} "
+        line += " ".join(f"{fmt(m[n]['mb'], 16, 1)} {ratio_cell(m[n]['memory_ratio'], 5)}" for n in others)
         lines.append(line)
     lines.append("x = ratio to the transformer (time, then peak memory); OOM = the step could not allocate")
     return lines

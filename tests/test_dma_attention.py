@@ -11,36 +11,14 @@ from fairseq.data import Dictionary
 from fairseq.modules import MultiheadAttention
 from fairseq.tasks.translation import TranslationTask
 
+from attention_helpers import causal_mask, decode_incrementally, make_dma, padding
 from beam_search_checks import check_beam_shared_keys_are_exact
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
 from fairseq_modattn.modules import DisentangledMaskAttention
 from fairseq_modattn.modules.dma_attention import AUX_LOSS_NAMES
 
-EMBED, HEADS = 16, 2
-
-
-def causal_mask(length):
-    """fairseq's decoder future mask (buffered_future_mask): float -inf above the diagonal."""
-    return torch.triu(torch.full((length, length), float("-inf")), 1)
-
-
-def padding(lengths, max_len):
-    """(B, N) bool, True on right padding."""
-    return torch.arange(max_len).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
-
-
-def make_dma(seed=0, num_updates=0, clusters=3, **kwargs):
-    torch.manual_seed(seed)
-    m = DisentangledMaskAttention(EMBED, HEADS, num_clusters=clusters, **kwargs)
-    with torch.no_grad():  # non-trivial biases and mixture weights
-        for p in (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias, m.out_proj.bias):
-            p.normal_(0, 0.1)
-        m.token_gmm.logits.normal_()
-        m.token_gmm.log_vars.uniform_(-0.5, 0.5)
-        m.query_gmm.logits.normal_()
-    m.set_num_updates(num_updates)
-    return m
+EMBED, HEADS = 16, 2  # make_dma's default width and heads
 
 
 # ----------------------------------------------------------------------------- gamma = 0 is fairseq
@@ -348,20 +326,6 @@ def build_model(*extra, seed=0):
     return model, dictionary
 
 
-def decode_incrementally(model, encoder_out, prev_ref, prev_first, t0, new_order):
-    """Step-by-step decoder outputs; after step t0 reorder the beams with new_order."""
-    inc, outs, attns = {}, [], []
-    for t in range(prev_ref.size(1)):
-        tokens = prev_first if t <= t0 else prev_ref
-        logits, extra = model.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=inc)
-        outs.append(logits)
-        attns.append(extra["attn"][0])
-        if t == t0:
-            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
-            model.decoder.reorder_incremental_state_scripting(inc, new_order)
-    return outs, attns
-
-
 @pytest.mark.parametrize("mask_at_inference", [False, True])
 def test_model_incremental_decoding_matches_full_forward(mask_at_inference):
     extra = ["--dma-decoder-mask-at-inference"] if mask_at_inference else []
@@ -416,7 +380,7 @@ def test_model_forward_collects_finite_aux_losses_and_gamma():
     _, extra = model(src, torch.tensor([5, 5]), prev)
     assert set(extra["aux_losses"]) == set(AUX_LOSS_NAMES)
     assert all(torch.isfinite(v) for v in extra["aux_losses"].values())
-    assert extra["dma_gamma"] == pytest.approx(1 - math.exp(-0.5))
+    assert extra["aux_metrics"]["gamma"] == pytest.approx(1 - math.exp(-0.5))
     assert all(not m.collect_aux and m.query_padding_mask is None for m in model.dma_modules())
 
 

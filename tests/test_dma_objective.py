@@ -14,6 +14,7 @@ from fairseq.data import Dictionary
 from fairseq.tasks.translation import TranslationTask
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
+from attention_helpers import DOUBLE, loss_inputs, make_dma, naive_posterior, padding, real_tokens
 from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import (
     LabelSmoothedCrossEntropyWithAuxCriterion,
 )
@@ -29,24 +30,7 @@ from fairseq_modattn.modules.mi_bounds import (
     masked_token_mean,
 )
 
-DOUBLE = torch.float64
-EMBED, HEADS = 16, 2
-
-
-def padding(lengths, max_len):
-    """(B, N) bool, True on right padding."""
-    return torch.arange(max_len).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
-
-
-def loss_inputs(seed, lengths, heads=3, max_len=5, num_c=4):
-    torch.manual_seed(seed)
-    log_joint = 2.0 * torch.randn(len(lengths), heads, max_len, num_c, dtype=DOUBLE) - 3.0
-    log_post = torch.log_softmax(log_joint + torch.randn_like(log_joint), -1)
-    return log_joint, log_post, ~padding(lengths, max_len)
-
-
-def real(valid, b):
-    return [i for i in range(valid.size(1)) if valid[b, i]]
+EMBED, HEADS = 16, 2  # make_dma's default width and heads
 
 
 # ----------------------------------------------------------------------------- naive references
@@ -58,7 +42,7 @@ def naive_bounded_dqq(log_joint, log_post, valid):
     bsz, heads, _, num_c = joint.shape
     sentences, total, count = [], 0.0, 0
     for b in range(bsz):
-        idx, acc = real(valid, b), 0.0
+        idx, acc = real_tokens(valid, b), 0.0
         for h in range(heads):
             for h2 in range(heads):
                 if h == h2:
@@ -79,7 +63,7 @@ def naive_club_per_sentence(log_joint, log_post, valid):
     bsz, heads, _, num_c = joint.shape
     out = []
     for b in range(bsz):
-        idx = real(valid, b)
+        idx = real_tokens(valid, b)
 
         def log_s(h, h2, i, j):
             return math.log(sum(joint[b, h, j, c].item() / sum(joint[b, h, k, c].item() for k in idx)
@@ -101,7 +85,7 @@ def naive_div(post, valid, form):
     bsz, heads = post.shape[:2]
     out = []
     for b in range(bsz):
-        idx = real(valid, b)
+        idx = real_tokens(valid, b)
         n = len(idx)
         per_head = []
         for h in range(heads):
@@ -120,7 +104,7 @@ def naive_dxq_per_sentence(post, valid):
     bsz, heads, _, num_c = post.shape
     out = []
     for b in range(bsz):
-        idx, acc = real(valid, b), 0.0
+        idx, acc = real_tokens(valid, b), 0.0
         for h in range(heads):
             f = lambda i, j: sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(num_c))
             for i in idx:
@@ -182,7 +166,7 @@ def test_per_sentence_token_mean_matches_loop():
     values = torch.randn(3, 2, 4, dtype=DOUBLE)
     valid = ~padding([4, 1, 3], 4)
     got = masked_token_mean(values, valid, per_sentence=True)
-    expected = [values[b, :, real(valid, b)].mean().item() for b in range(3)]
+    expected = [values[b, :, real_tokens(valid, b)].mean().item() for b in range(3)]
     torch.testing.assert_close(got, torch.tensor(expected, dtype=DOUBLE))
 
 
@@ -231,32 +215,18 @@ def test_unknown_forms_are_refused():
 
 
 # ----------------------------------------------------------------------------- the sample
-def make_dma(**kwargs):
-    torch.manual_seed(0)
-    m = DisentangledMaskAttention(EMBED, HEADS, num_clusters=3, alpha=0.9, noise_var=0.01, **kwargs)
-    with torch.no_grad():
-        for p in (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias, m.out_proj.bias):
-            p.normal_(0, 0.1)
-        m.token_gmm.logits.normal_()
-        m.token_gmm.log_vars.uniform_(-0.5, 0.5)
-    m.set_num_updates(2000)
-    return m.double()
-
-
-def naive_posterior(z, gmm):
-    """p(c | z) by explicit broadcasting: z (B, G, N, d) -> (B, G, N, C)."""
-    means, log_vars = gmm.means.detach(), gmm.log_vars.detach()
-    log_pi = torch.log_softmax(gmm.logits.detach(), -1).unsqueeze(-2)
-    diff = z.unsqueeze(-2) - means.unsqueeze(-3)
-    log_density = (-0.5 * (math.log(2 * math.pi) + log_vars.unsqueeze(-3) + diff**2 / log_vars.exp().unsqueeze(-3))).sum(-1)
-    return torch.softmax(log_pi + log_density, -1)
+def sampling_dma(**kwargs):
+    """This section's DMA module in float64: sampling noise s^2 = 0.01, alpha = 0.9, annealed to
+    t = 2000."""
+    return make_dma(0, alpha=0.9, noise_var=0.01, num_updates=2000, randomise=("biases", "token_gmm"),
+                    **kwargs).double()
 
 
 def test_training_sample_feeds_the_query_projection_and_the_logits():
     """Self-attention in training with sample_inputs="attention": x~ = x + s eps is what the token
     GMM clusters and the query projection reads; keys and values read x; the queries are
     sampled again, q~ = q + s eps', and the logits are q~ k^T / sqrt(d)."""
-    m = make_dma(sample_inputs="attention", self_attention=True).train()
+    m = sampling_dma(sample_inputs="attention", self_attention=True).train()
     length, bsz = 5, 2
     x = torch.randn(length, bsz, EMBED, dtype=DOUBLE)
     torch.manual_seed(11)
@@ -289,7 +259,7 @@ def test_training_sample_feeds_the_query_projection_and_the_logits():
 def test_scaled_query_gmm_clusters_q_over_sqrt_d_and_the_logits_carry_its_sample():
     """query_gmm_input="scaled" (the authors' code): the query GMM clusters u = q / sqrt(d) with
     the sample u~ = u + s eps'; the logits are u~ k^T, so the queries carry sqrt(d) s eps'."""
-    m = make_dma(sample_inputs="attention", self_attention=True, query_gmm_input="scaled").train()
+    m = sampling_dma(sample_inputs="attention", self_attention=True, query_gmm_input="scaled").train()
     seen = {}
     m.query_gmm.register_forward_hook(
         lambda mod, args, kwargs, out: seen.update(u=args[0], eps=kwargs["noise"]), with_kwargs=True
@@ -323,7 +293,7 @@ def test_scaled_query_gmm_clusters_q_over_sqrt_d_and_the_logits_carry_its_sample
 
 
 def test_encoder_decoder_sample_reaches_keys_not_values_and_nothing_at_inference():
-    m = make_dma(sample_inputs="attention", encoder_decoder_attention=True)
+    m = sampling_dma(sample_inputs="attention", encoder_decoder_attention=True)
     seen = {}
     m.k_proj.register_forward_hook(lambda mod, inp, out: seen.__setitem__("k", inp[0]))
     m.v_proj.register_forward_hook(lambda mod, inp, out: seen.__setitem__("v", inp[0]))
@@ -337,7 +307,7 @@ def test_encoder_decoder_sample_reaches_keys_not_values_and_nothing_at_inference
     m.eval()
     out_eval, _ = m(x, enc, enc)
     assert torch.equal(seen["k"], enc) and torch.equal(seen["q"], x)
-    reference = make_dma(sample_inputs="gmm", encoder_decoder_attention=True).eval()
+    reference = sampling_dma(sample_inputs="gmm", encoder_decoder_attention=True).eval()
     torch.testing.assert_close(out_eval, reference(x, enc, enc)[0], rtol=0, atol=0)
 
 

@@ -10,6 +10,7 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 from fairseq.tasks.translation import TranslationTask
 
+from attention_helpers import causal_mask, padding, randomise_biases
 from beam_search_checks import check_beam_shared_keys_are_exact
 import fairseq_modattn  # noqa: F401  (registers the plugin)
 from fairseq_modattn.models.talking_heads_transformer import TalkingHeadsTransformerModel
@@ -18,20 +19,11 @@ from fairseq_modattn.modules import TalkingHeadsAttention
 EMBED = 24  # divisible by 2, 3, 4 and 6: h_k, h and h_v can all differ
 
 
-def causal_mask(length):
-    return torch.triu(torch.full((length, length), float("-inf")), 1)
-
-
-def padding(lengths, max_len):
-    return torch.arange(max_len).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
-
-
 def make_th(seed=0, heads=3, key_heads=2, value_heads=4, dtype=torch.float32, **kwargs):
     torch.manual_seed(seed)
     m = TalkingHeadsAttention(EMBED, heads, key_heads=key_heads, value_heads=value_heads, **kwargs)
     with torch.no_grad():  # non-trivial biases and head projections
-        for p in (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias, m.out_proj.bias):
-            p.normal_(0, 0.1)
+        randomise_biases(m)
         for p in (m.logits_proj, m.weights_proj):
             if p is not None:
                 p.normal_(0, 0.7)

@@ -14,6 +14,7 @@ from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from attention_helpers import decode_incrementally
 from beam_search_checks import check_beam_shared_keys_are_exact
 import fairseq_modattn  # noqa: F401  (registers the architectures)
 from fairseq_modattn.models.tim_transformer import (
@@ -527,20 +528,6 @@ def test_model_competition_is_reported_per_layer_after_forward():
     assert comp["encoder.layers.2"].shape == (2, 5, 2) and comp["decoder.layers.2"].shape == (2, 4, 2)
     # the model's own state dict round-trips (fairseq's upgrade_state_dict visits every layer)
     model.load_state_dict(model.state_dict())
-
-
-def decode_incrementally(model, encoder_out, prev_ref, prev_first, t0, new_order):
-    """Step-by-step decoder outputs; after step t0 reorder the beams with new_order."""
-    inc, outs, attns = {}, [], []
-    for t in range(prev_ref.size(1)):
-        tokens = prev_first if t <= t0 else prev_ref
-        logits, extra = model.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=inc)
-        outs.append(logits)
-        attns.append(extra["attn"][0])
-        if t == t0:
-            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
-            model.decoder.reorder_incremental_state_scripting(inc, new_order)
-    return outs, attns
 
 
 @pytest.mark.parametrize("normalize_before", [False, True])

@@ -1,4 +1,4 @@
-"""End to end through the real fairseq commands with --user-dir, on real Multi30k data."""
+"""DMA end to end through the real fairseq commands with --user-dir, on real Multi30k data."""
 
 import pytest
 import torch

@@ -1,25 +1,35 @@
 #!/usr/bin/env python
-"""Every method of the package against its baseline on real data: Multi30k de-en.
+"""Every method of the package against its baseline on real data: Multi30k de-en, at a budget
+where the baselines have converged, with seeds and confidence intervals.
 
-Trains each model of ``fairseq_modattn/cli/model_recipes.py`` (transformer, DMA with n_c 4 and 8,
-talking heads, TIM, RIM-LSTM, fairseq's LSTM; about 1.7 M parameters each) with the real
-fairseq-train for the same number of updates and the same optimiser, once per seed; evaluates
-each final model on the test split (test_2016_flickr) with the real fairseq-generate (beam 5);
-measures the redundancy LR / HR of the attention heads of the transformer-family models; and
-writes a table of BLEU (mean and spread over seeds), LR / HR, validation nll, training speed
-(fairseq's wps, target tokens per second) and parameter count, with the commands and the
-machine, as Markdown and JSON.
+Two steps, each resumable (rerun the same command after an interruption: finished runs are
+kept, an interrupted fairseq-train continues from its checkpoint_last.pt):
 
-Runs are resumable (``fairseq_modattn/cli/runs.py``): rerun the same command after an
-interruption. Several runs go at a time (``--jobs``; the cores are split among them, which is
-also the condition under which tokens/s is measured: say so when comparing with other tables).
+1. **The curve** (``--curve-updates N``): each family's baseline (fairseq's transformer; fairseq's
+   LSTM with the LSTM family's settings) trains with seed 1 for N updates, validating after every
+   epoch. The validation nll against the updates goes to OUTPUT_DIR/curve/ (curve.json, curve.md,
+   curve.png) with the first budget after which the best validation nll improves by less than
+   ``--flat-gain`` over the next 1,000 updates: the budget to compare the methods at.
+2. **The comparison** (the default): every model of ``fairseq_modattn/cli/model_recipes.py``
+   (transformer, DMA with n_c 4 and 8, talking heads, TIM; RIM-LSTM and fairseq's LSTM; about
+   1.7 M parameters each) trains once per seed with the real fairseq-train. The transformer
+   family shares one budget (``--max-update``) and optimiser; the LSTM family has its own budget
+   and learning rate (``--lstm-max-update``, ``--lstm-lr``), the same for both of its models.
+   Each final model translates the test split (test_2016_flickr, beam 5) with the real
+   fairseq-generate; the attention heads' redundancy LR / HR is measured on it. Each method is
+   compared with its family's baseline by paired bootstrap resampling of the test sentences
+   (sacreBLEU's paired bootstrap, ``--bootstrap-samples`` resamples; analysis/significance.py):
+   the 95 % interval of the BLEU difference with the seeds pooled, and each seed pair's.
 
-    python benchmarks/multi30k.py --data data-bin/multi30k.de-en --output-dir runs/multi30k \\
-        --markdown docs/results.md
+Several runs go at a time (``--jobs``; the cores are split among them, which is also the
+condition under which tokens/s is measured: the table says so).
+
+    python benchmarks/multi30k.py --data data-bin/multi30k.de-en --output-dir runs/m30k --curve-updates 5000
+    python benchmarks/multi30k.py --data data-bin/multi30k.de-en --output-dir runs/m30k \\
+        --markdown docs/results.md --results-json benchmarks/results/multi30k.json
 
 Prepare the data first: ``fairseq-modattn prepare multi30k --raw-dir RAW --dest data-bin/multi30k.de-en
---bpe-size 8000``. On the project's 2-core CPU the default (7 models x 3 seeds x 250 updates,
-2 at a time) takes about 85 minutes.
+--bpe-size 8000``. Budgets on the project's 2-core CPU are in docs/results.md.
 """
 
 import argparse
@@ -33,59 +43,95 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import fairseq_modattn  # noqa: F401  (registers the models)
-from fairseq_modattn.analysis import AnalysisError
+from fairseq_modattn.analysis import AnalysisError, scoring
+from fairseq_modattn.analysis.significance import paired_bootstrap, seed_pairs
+from fairseq_modattn.atomic_files import write_json_atomically
 from fairseq_modattn.cli import runs
-from fairseq_modattn.cli.evaluate import write_json_atomically
-from fairseq_modattn.cli.model_recipes import RECIPES, TRAIN_FLAGS
+from fairseq_modattn.cli.model_recipes import FAMILY_BASELINES, RECIPES, TRAIN_FLAGS
+from fairseq_modattn.help_format import DefaultsHelpFormatter
+from fairseq_modattn.models.attention_types import ATTENTION_TYPES
+from learning_curve import curve_markdown, flat_point, plot_curves, validation_curve
 
-ATTENTIONS = ("enc_self", "dec_self", "enc_dec")
-BASELINES = {"dma": "transformer", "dma_nc8": "transformer", "talking_heads": "transformer", "tim": "transformer",
-             "rim_lstm": "lstm"}
 #: the models that train slowest per update on a CPU, started first so that the last runs are short
 SLOW = ("dma", "dma_nc8", "rim_lstm")
-IDENTITY_KEYS = ("data", "subset", "max_update", "beam", "train_args")
+#: settings that make two tables incomparable: a directory never mixes runs that differ in one
+IDENTITY_KEYS = ("data", "subset", "max_update", "lstm_max_update", "beam", "train_args", "lstm_train_args")
+CURVE_IDENTITY_KEYS = ("data", "curve_updates", "train_args", "lstm_train_args")
+#: the look-ahead of the flatness rule, in updates
+FLAT_WINDOW = 1000
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="prepared Multi30k de-en data-bin")
-    p.add_argument("--output-dir", type=Path, required=True, help="runs and results go here")
+    p.add_argument("--output-dir", type=Path, required=True, help="runs and results go here (outside the repository)")
     p.add_argument("--models", nargs="+", default=list(RECIPES), choices=list(RECIPES), metavar="MODEL",
                    help=f"models to compare, from {', '.join(RECIPES)}")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one run per model and seed")
-    p.add_argument("--max-update", type=int, default=250, help="training budget per run, in updates")
+    p.add_argument("--max-update", type=int, default=3000,
+                   help="training budget of every transformer-family run, in updates (choose it from the curve)")
+    p.add_argument("--lstm-max-update", type=int, default=None,
+                   help="training budget of the LSTM-family runs (default: --max-update)")
+    p.add_argument("--lstm-lr", type=float, default=None,
+                   help="learning rate of the LSTM family (default: the recipes' shared --lr)")
+    p.add_argument("--curve-updates", type=int, default=None, metavar="N",
+                   help="measure the baselines' validation curves for N updates instead of comparing")
+    p.add_argument("--flat-gain", type=float, default=0.02,
+                   help=f"the curve has flattened once the best validation nll improves by less than this "
+                        f"over the next {FLAT_WINDOW:,} updates")
     p.add_argument("--subset", default="test", help="split to translate and measure redundancy on")
-    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--beam", type=int, default=5, help="fairseq-generate --beam")
+    p.add_argument("--bootstrap-samples", type=int, default=1000, help="resamples of the paired bootstrap")
     p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: one per CPU core)")
-    p.add_argument("--markdown", type=Path, default=None, help="also write the table here (e.g. docs/results.md)")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the report here (e.g. docs/results.md)")
+    p.add_argument("--results-json", type=Path, default=None,
+                   help="also write the results JSON here (e.g. benchmarks/results/multi30k.json)")
     p.add_argument("--generate-args", default="", metavar="ARGS", help="extra fairseq-generate flags (tests)")
     p.add_argument("--train-args", default="", metavar="ARGS",
                    help="extra fairseq-train flags for every run, as one string (tests)")
     args = p.parse_args(argv)
-    if args.max_update < 1 or args.beam < 1 or (args.jobs is not None and args.jobs < 1):
-        p.error("--max-update, --beam and --jobs must be positive")
+    if args.lstm_max_update is None:
+        args.lstm_max_update = args.max_update
+    budgets = [args.max_update, args.lstm_max_update, args.beam, args.bootstrap_samples, args.curve_updates or 1]
+    if min(budgets) < 1 or (args.jobs is not None and args.jobs < 1):
+        p.error("--max-update, --lstm-max-update, --curve-updates, --beam, --bootstrap-samples and --jobs must "
+                "be positive")
+    if args.lstm_lr is not None and not args.lstm_lr > 0:
+        p.error("--lstm-lr must be positive")
     if len(set(args.seeds)) != len(args.seeds) or len(set(args.models)) != len(args.models):
         p.error("--seeds and --models must not repeat a value")
     if not (args.data / "dict.de.txt").is_file():
         p.error(f"--data {args.data} is not a prepared de-en data-bin (no dict.de.txt)")
+    for flag, path in (("--markdown", args.markdown), ("--results-json", args.results_json)):
+        if path is not None and path.is_dir():
+            p.error(f"{flag} {path} is a directory; give a file path")
     return args
 
 
+def family_settings(name: str, args) -> Dict:
+    """The budget and the extra fairseq-train flags of model NAME's family."""
+    lstm = RECIPES[name].family == "lstm"
+    extra = shlex.split(args.train_args) + (["--lr", repr(args.lstm_lr)] if lstm and args.lstm_lr else [])
+    return {"max_update": args.lstm_max_update if lstm else args.max_update, "extra": extra}
+
+
 def one_run(name: str, seed: int, args, log) -> Dict:
-    recipe = RECIPES[name]
+    recipe, family = RECIPES[name], family_settings(name, args)
     label, run_dir = f"{name} seed {seed}", args.output_dir / name / f"seed{seed}"
-    command = recipe.train_command(args.data.resolve(), run_dir / "checkpoints", seed=seed, max_update=args.max_update,
-                                   cpu=True, extra=shlex.split(args.train_args))
+    command = recipe.train_command(args.data.resolve(), run_dir / "checkpoints", seed=seed,
+                                   max_update=family["max_update"], cpu=True, extra=family["extra"])
     runs.train(runs.TrainingRun(label, run_dir, command), log)
     evaluation = runs.evaluate(run_dir, label, str(args.data), subset=args.subset, beam=args.beam, cpu=True,
                                generate_args=shlex.split(args.generate_args), log=log)
     measured = runs.redundancy(run_dir, label, evaluation["model_path"], str(args.data), subset=args.subset,
-                               attentions=ATTENTIONS if recipe.has_attention_heads else (), cpu=True, log=log)
+                               attentions=ATTENTION_TYPES if recipe.has_attention_heads else (), cpu=True, log=log)
     stats = runs.training_stats(run_dir / "train.log")
     return {"model": name, "seed": seed, "bleu": evaluation["bleu"], "sacrebleu": evaluation["sacrebleu"],
+            "sacrebleu_signature": evaluation["sacrebleu_signature"],
+            "generate_output": evaluation["generate_output"],
             "parameters": measured["parameters"], "redundancy": {k: {"LR": v["LR"], "HR": v["HR"]}
                                                                  for k, v in measured["redundancy"].items()},
             **stats, "command": command}
@@ -100,8 +146,9 @@ def aggregate(results: List[Dict], models: List[str]) -> Dict[str, Dict]:
     table = {}
     for name in models:
         rows = [r for r in results if r["model"] == name]
-        entry = {"parameters": rows[0]["parameters"], "seeds": [r["seed"] for r in rows],
-                 "bleu": spread([r["bleu"] for r in rows]),
+        entry = {"family": RECIPES[name].family, "parameters": rows[0]["parameters"], "seeds": [r["seed"] for r in rows],
+                 "updates": rows[0]["num_updates"], "bleu": spread([r["bleu"] for r in rows]),
+                 "sacrebleu": spread([r["sacrebleu"] for r in rows]),
                  "valid_nll_loss": spread([r["valid_nll_loss"] for r in rows]),
                  "wps": spread([r["wps"] for r in rows]), "redundancy": {}}
         for attention in rows[0]["redundancy"]:
@@ -109,6 +156,40 @@ def aggregate(results: List[Dict], models: List[str]) -> Dict[str, Dict]:
                                               for k in ("LR", "HR")}
         table[name] = entry
     return table
+
+
+def detokenized_translations(generate_output: str, lang: str = "en"):
+    """(hypotheses, references) of a fairseq-generate output, in sentence-id order, Moses-
+    detokenized as ``fairseq-modattn evaluate`` scores them with sacreBLEU."""
+    result = scoring.parse_generate_output(Path(generate_output).read_text(encoding="utf-8"))
+    ids = sorted(result.hypotheses)
+    return (scoring.detokenize([result.hypotheses[i] for i in ids], lang),
+            scoring.detokenize([result.targets[i] for i in ids], lang))
+
+
+def compare(results: List[Dict], models: List[str], samples: int, log) -> Dict[str, Dict]:
+    """Each model against its family's baseline: the paired bootstrap with all seeds pooled and
+    per seed pair (same seed), on sacreBLEU of the detokenized test translations."""
+    translations, references = {}, None
+    for r in results:
+        hyps, refs = detokenized_translations(r["generate_output"])
+        if references is not None and refs != references:
+            raise AnalysisError(f"{r['model']} seed {r['seed']} translated another test set than the other runs")
+        references, translations[r["model"], r["seed"]] = refs, hyps
+    out = {}
+    for name in models:
+        base = FAMILY_BASELINES[RECIPES[name].family]
+        if name == base or base not in models:
+            continue
+        seeds = sorted(s for (m, s) in translations if m == name and (base, s) in translations)
+        system, baseline = [translations[name, s] for s in seeds], [translations[base, s] for s in seeds]
+        pooled = paired_bootstrap(baseline, system, references, samples=samples)
+        pairs = seed_pairs(baseline, system, references, samples=samples)
+        out[name] = {"baseline": base, "seeds": seeds, "pooled": pooled.as_dict(),
+                     "per_seed": {str(s): c.as_dict() for s, c in zip(seeds, pairs)}}
+        log(f"{name} vs {base}: sacreBLEU {pooled.delta:+.2f} [{pooled.ci_low:+.2f}, {pooled.ci_high:+.2f}] "
+            f"({pooled.verdict}; per seed: {', '.join(c.verdict for c in pairs)})")
+    return out
 
 
 def machine() -> str:
@@ -145,35 +226,43 @@ def commit() -> str:
         return "unknown"
 
 
-def markdown(table: Dict[str, Dict], settings: Dict, results: List[Dict]) -> str:
-    def bleu(name):
-        b = table[name]["bleu"]
-        return f"{b['mean']:.2f} ± {b['std']:.2f} ({b['min']:.2f}-{b['max']:.2f})"
+def _mean_std(entry: Dict, digits: int = 2) -> str:
+    return f"{entry['mean']:.{digits}f} ± {entry['std']:.{digits}f}"
 
+
+def markdown(table: Dict[str, Dict], comparisons: Dict[str, Dict], settings: Dict, results: List[Dict]) -> str:
     def red(name, attention):
         r = table[name]["redundancy"].get(attention)
         return "n/a" if r is None else f"{r['LR']:.3f} / {r['HR']:.3f}"
 
     def delta(name):
-        base = BASELINES.get(name)
-        if base not in table:
-            return ""
-        return f"{table[name]['bleu']['mean'] - table[base]['bleu']['mean']:+.2f} vs {base}"
+        c = comparisons.get(name)
+        if c is None:
+            return "(baseline)" if name in FAMILY_BASELINES.values() else ""
+        p = c["pooled"]
+        return f"{p['delta']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] vs {c['baseline']}: **{p['verdict']}**"
 
     lines = [
-        "| model | params | BLEU mean ± std (min-max) | Δ BLEU | LR / HR enc self | LR / HR dec self | "
-        "LR / HR enc-dec | valid nll | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | params | updates | sacreBLEU mean ± std | Δ sacreBLEU [95 % CI], seeds pooled | tok. BLEU | "
+        "LR / HR enc self | LR / HR dec self | LR / HR enc-dec | valid nll | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in table.items():
         lines.append(
-            f"| {name} | {entry['parameters']:,} | {bleu(name)} | {delta(name)} | {red(name, 'enc_self')} | "
-            f"{red(name, 'dec_self')} | {red(name, 'enc_dec')} | {entry['valid_nll_loss']['mean']:.3f} | "
-            f"{entry['wps']['mean']:.0f} |")
-    example = {r["model"]: r["command"] for r in results if r["seed"] == settings["seeds"][0]}
-    lines += ["", "Per-seed BLEU:", ""]
-    lines += [f"- {name}: " + ", ".join(f"seed {s} {b:.2f}" for s, b in zip(e["seeds"], e["bleu"]["values"]))
+            f"| {name} | {entry['parameters']:,} | {entry['updates']:,} | {_mean_std(entry['sacrebleu'])} | {delta(name)} | "
+            f"{_mean_std(entry['bleu'])} | {red(name, 'enc_self')} | {red(name, 'dec_self')} | {red(name, 'enc_dec')} | "
+            f"{_mean_std(entry['valid_nll_loss'], 3)} | {entry['wps']['mean']:.0f} |")
+    if comparisons:
+        lines += ["", "Each seed pair alone (paired bootstrap of seed s against the baseline's seed s; "
+                  "Δ sacreBLEU [95 % CI], p):", ""]
+        for name, c in comparisons.items():
+            cells = [f"seed {s}: {p['delta']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}], p {p['p_value']:.3f}"
+                     for s, p in c["per_seed"].items()]
+            lines.append(f"- {name} vs {c['baseline']}: " + "; ".join(cells))
+    lines += ["", "Per-seed sacreBLEU:", ""]
+    lines += [f"- {name}: " + ", ".join(f"seed {s} {b:.2f}" for s, b in zip(e["seeds"], e["sacrebleu"]["values"]))
               for name, e in table.items()]
+    example = {r["model"]: r["command"] for r in results if r["seed"] == settings["seeds"][0]}
     lines += ["", "fairseq-train command of each model (seed " + str(settings["seeds"][0]) + "; the other seeds "
               "differ in --seed and --save-dir only):", "", "```bash"]
     lines += [shlex.join(_portable(c, settings["data_as_given"])) for c in example.values()]
@@ -190,6 +279,56 @@ def _portable(command: List[str], data: str) -> List[str]:
     return out
 
 
+# ------------------------------------------------------------------ the curve
+def measure_curve(args, log, jobs: int) -> Dict:
+    """Train each family's baseline (seed 1) for --curve-updates updates and read its curve."""
+    curve_dir = args.output_dir / "curve"
+    curve_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"data": str(args.data.resolve()), "curve_updates": args.curve_updates,
+                "train_args": TRAIN_FLAGS + shlex.split(args.train_args),
+                "lstm_train_args": family_settings("lstm", args)["extra"]}
+    runs.check_settings(curve_dir, settings, CURVE_IDENTITY_KEYS)
+    baselines = [b for b in FAMILY_BASELINES.values() if b in args.models]
+
+    def train(name):
+        run_dir = curve_dir / name
+        command = RECIPES[name].train_command(args.data.resolve(), run_dir / "checkpoints", seed=1,
+                                              max_update=args.curve_updates, cpu=True,
+                                              extra=family_settings(name, args)["extra"])
+        runs.train(runs.TrainingRun(f"{name} curve", run_dir, command), log)
+        return name, command
+
+    commands = dict(runs.run_concurrently(train, baselines, jobs))
+    curves = {name: validation_curve(curve_dir / name / "train.log") for name in baselines}
+    report = {"settings": settings, "window": FLAT_WINDOW, "gain": args.flat_gain, "curves": {}}
+    for name, points in curves.items():
+        flat = flat_point(points, FLAT_WINDOW, args.flat_gain)
+        report["curves"][name] = {"points": points, "flat_at": flat, "command": commands[name]}
+        log(f"{name}: best validation nll {min(v for _, v in points):.3f}; flattened at "
+            + (f"{flat:,} updates" if flat else "no point yet (the run is too short to tell)"))
+    plot_curves(curves, {n: c["flat_at"] for n, c in report["curves"].items() if c["flat_at"]},
+                curve_dir / "curve.png")
+    write_json_atomically(report, curve_dir / "curve.json")
+    (curve_dir / "curve.md").write_text("\n".join(curve_section(report, args.data)) + "\n", encoding="utf-8")
+    return report
+
+
+def curve_section(report: Dict, data) -> List[str]:
+    lines = ["## The baselines' validation curves", "",
+             f"Seed 1, validated after every epoch; validation nll is fairseq's (base 2, per target token). "
+             f"A curve has flattened at the first budget U whose best validation nll is within "
+             f"{report['gain']} of the best reached by U + {report['window']:,} updates.", ""]
+    for name, c in report["curves"].items():
+        best = min(v for _, v in c["points"])
+        flat = f"{c['flat_at']:,} updates" if c["flat_at"] else "not within the run"
+        lines.append(f"- {name}: best {best:.3f}; flattened at {flat}.")
+    lines += ["", *curve_markdown({n: c["points"] for n, c in report["curves"].items()}), "", "```bash"]
+    lines += [shlex.join(_portable(c["command"], str(data))) for c in report["curves"].values()]
+    lines += ["```", ""]
+    return lines
+
+
+# ------------------------------------------------------------------ main
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -200,50 +339,79 @@ def main(argv=None) -> int:
             print(f"[{(time.monotonic() - started) / 60:6.1f} min] {message}", flush=True)
 
     jobs = args.jobs or (os.cpu_count() or 1)
-    runs.limit_threads(max(1, (os.cpu_count() or 1) // jobs))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    runs.limit_threads(threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"data": str(args.data.resolve()), "subset": args.subset, "max_update": args.max_update,
-                "beam": args.beam, "train_args": TRAIN_FLAGS + shlex.split(args.train_args), "seeds": args.seeds,
-                "models": args.models, "jobs": jobs, "data_as_given": str(args.data)}
     try:
+        if args.curve_updates:
+            report = measure_curve(args, log, jobs)
+            print("\n".join(curve_section(report, args.data)))
+            log(f"wrote {args.output_dir / 'curve'}/curve.{{json,md,png}}")
+            return 0
+        settings = {"data": str(args.data.resolve()), "subset": args.subset, "max_update": args.max_update,
+                    "lstm_max_update": args.lstm_max_update, "beam": args.beam,
+                    "train_args": TRAIN_FLAGS + shlex.split(args.train_args),
+                    "lstm_train_args": family_settings("lstm", args)["extra"], "seeds": args.seeds,
+                    "models": args.models, "jobs": jobs, "threads": threads, "data_as_given": str(args.data),
+                    "bootstrap_samples": args.bootstrap_samples}
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
         # slowest models first, so that the last ones to finish are short
         order = sorted(((m, s) for s in args.seeds for m in args.models), key=lambda ms: (ms[0] not in SLOW, ms[1]))
         log(f"{len(order)} runs ({len(args.models)} models x {len(args.seeds)} seeds), {args.max_update} updates "
-            f"each, {jobs} at a time")
+            f"(LSTM family {args.lstm_max_update}) each, {jobs} at a time")
         results = runs.run_concurrently(lambda ms: one_run(*ms, args, log), order, jobs)
+        results.sort(key=lambda r: (args.models.index(r["model"]), r["seed"]))
+        table = aggregate(results, args.models)
+        comparisons = compare(results, args.models, args.bootstrap_samples, log)
     except AnalysisError as e:
         print(f"multi30k benchmark: error: {e}", file=sys.stderr)
         return 1
-    results.sort(key=lambda r: (args.models.index(r["model"]), r["seed"]))
-    table = aggregate(results, args.models)
+    text = report_text(args, argv, settings, table, comparisons, results, jobs, threads)
+    (args.output_dir / "results.md").write_text(text, encoding="utf-8")
+    document = {"settings": settings, "table": table, "comparisons": comparisons, "runs": results}
+    write_json_atomically(document, args.output_dir / "results.json")
+    for path, write in ((args.markdown, lambda p: p.write_text(text, encoding="utf-8")),
+                        (args.results_json, lambda p: write_json_atomically(document, p))):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(path)
+    print()
+    print(text)
+    log(f"wrote {args.output_dir / 'results.md'}, results.json")
+    return 0
+
+
+def report_text(args, argv, settings, table, comparisons, results, jobs, threads) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lstm_lr = f"learning rate {args.lstm_lr}" if args.lstm_lr else "the same optimiser"
     header = [
         "# Multi30k de-en: every method against its baseline",
         "",
-        f"Run {when}, commit {commit()}, {machine()}; {jobs} runs at a time, each on "
-        f"{max(1, (os.cpu_count() or 1) // jobs)} thread(s). {len(args.seeds)} seeds "
-        f"({', '.join(map(str, args.seeds))}) per model, {args.max_update} updates each (max-tokens 4096), the "
-        f"final model translating `{args.subset}` (beam {args.beam}); BLEU is fairseq's tokenized BLEU on the "
-        "lower-cased, Moses-tokenized text, mean ± sample standard deviation over seeds. LR / HR: head "
-        "redundancy (lower is less redundant), mean over seeds; valid nll: the last validation, mean over seeds; "
-        "tokens/s: fairseq's training wps (target tokens), mean over seeds.",
+        f"Run {when}, commit {commit()}, {machine()}; {jobs} runs at a time, each on {threads} thread(s), so "
+        f"tokens/s (fairseq's training wps, target tokens, mean over seeds) is measured with {jobs} runs sharing "
+        f"the cores. {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}) per model. The transformer family "
+        f"trains for {args.max_update:,} updates, the LSTM family for {args.lstm_max_update:,} with {lstm_lr} "
+        f"(max-tokens 4096). The final model translates `{args.subset}` (beam {args.beam}).",
+        "",
+        "How to read it: sacreBLEU is detokenized BLEU (13a) against the detokenized references, mean ± "
+        "sample standard deviation over seeds; tok. BLEU is fairseq's tokenized BLEU of the same translations. "
+        f"Δ sacreBLEU is the method minus its family's baseline with all seeds pooled, and its 95 % interval "
+        f"comes from paired bootstrap resampling of the test sentences ({args.bootstrap_samples} resamples, "
+        "sacreBLEU's resampling; each sentence carries all seeds' translations of it): **better** or "
+        "**worse** when the interval excludes 0, else **no difference**. The interval covers the test "
+        "set's sampling; the spread over seeds is the ± column. LR / HR: head redundancy (lower is less "
+        "redundant), mean over seeds; valid nll: fairseq's last validation (base 2), mean ± std over seeds.",
         "",
         "```bash",
         "python benchmarks/multi30k.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "```",
         "",
     ]
-    text = "\n".join(header) + markdown(table, settings, results)
-    (args.output_dir / "results.md").write_text(text, encoding="utf-8")
-    write_json_atomically({"settings": settings, "table": table, "runs": results}, args.output_dir / "results.json")
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text, encoding="utf-8")
-    print()
-    print(text)
-    log(f"wrote {args.output_dir / 'results.md'}, results.json")
-    return 0
+    text = "\n".join(header) + markdown(table, comparisons, settings, results)
+    curve = args.output_dir / "curve" / "curve.md"
+    if curve.exists():
+        text += "\n" + curve.read_text(encoding="utf-8")
+    return text
 
 
 if __name__ == "__main__":

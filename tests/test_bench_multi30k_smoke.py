@@ -1,8 +1,10 @@
-"""Smoke test of benchmarks/multi30k.py: two models x two seeds on a tiny budget, through the
-real fairseq-train and fairseq-generate, aggregated into the results table and JSON.
+"""Smoke test of benchmarks/multi30k.py on a tiny budget, through the real fairseq-train and
+fairseq-generate: the curve step, then the comparison of two families (transformer and talking
+heads; RIM-LSTM and the LSTM with the LSTM family's own budget and learning rate) over two seeds,
+aggregated into the table, the paired bootstrap and the JSON.
 
-The real benchmark (7 models x 3 seeds x 250 updates on the full corpus, about 85 minutes on
-2 cores) is run on demand; docs/results.md holds its output.
+The real benchmark (7 models x 3 seeds at a converged budget, several hours on 2 cores) is run
+on demand; docs/results.md holds its output.
 """
 
 import json
@@ -12,28 +14,65 @@ import sys
 from conftest import REPO, cli_environment
 
 SCRIPT = REPO / "benchmarks" / "multi30k.py"
+TINY = ["--jobs", "2", "--train-args", "--max-tokens 1000 --num-workers 0"]
+
+
+def run(command):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *command], capture_output=True, text=True, timeout=900,
+                          env=cli_environment(), cwd=REPO)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    return output
 
 
 def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     out = tmp_path / "bench"
-    command = [sys.executable, str(SCRIPT), "--data", str(multi30k_bin), "--output-dir", str(out),
-               "--models", "transformer", "rim_lstm", "--seeds", "1", "2", "--max-update", "2", "--subset", "valid",
-               "--jobs", "2", "--generate-args", "--max-len-b 5", "--train-args", "--max-tokens 1000 --num-workers 0",
-               "--markdown", str(tmp_path / "results.md")]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cli_environment(), cwd=REPO)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-5000:]
+    common = ["--data", str(multi30k_bin), "--output-dir", str(out), *TINY, "--lstm-lr", "0.001"]
+
+    run([*common, "--models", "transformer", "lstm", "--curve-updates", "3"])
+    report = json.loads((out / "curve" / "curve.json").read_text())
+    assert set(report["curves"]) == {"transformer", "lstm"}
+    for name, c in report["curves"].items():
+        assert c["points"] and c["points"][-1][0] == 3 and c["flat_at"] is None  # too short to tell
+        assert c["command"][c["command"].index("--max-update") + 1] == "3"
+    lstm_command = report["curves"]["lstm"]["command"]
+    assert lstm_command[-3:-1] == ["--lr", "0.001"] and "--lr" not in report["curves"]["transformer"]["command"][-4:]
+    assert (out / "curve" / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+    run([*common, "--models", "transformer", "talking_heads", "rim_lstm", "lstm", "--seeds", "1", "2",
+         "--max-update", "2", "--lstm-max-update", "3", "--subset", "valid", "--bootstrap-samples", "20",
+         "--generate-args", "--max-len-b 5", "--markdown", str(tmp_path / "results.md"),
+         "--results-json", str(tmp_path / "copy" / "multi30k.json")])
     results = json.loads((out / "results.json").read_text())
+    assert results == json.loads((tmp_path / "copy" / "multi30k.json").read_text())
     assert [(r["model"], r["seed"]) for r in results["runs"]] == [
-        ("transformer", 1), ("transformer", 2), ("rim_lstm", 1), ("rim_lstm", 2)]
-    for run in results["runs"]:
-        assert run["num_updates"] == 2 and run["wps"] > 0 and 0 <= run["bleu"] <= 100
-        assert run["command"][run["command"].index("--seed") + 1] == str(run["seed"])
-    transformer, rim = results["table"]["transformer"], results["table"]["rim_lstm"]
-    assert set(transformer["redundancy"]) == {"enc_self", "dec_self", "enc_dec"} and rim["redundancy"] == {}
-    bleus = [r["bleu"] for r in results["runs"] if r["model"] == "transformer"]
-    assert abs(transformer["bleu"]["mean"] - sum(bleus) / 2) < 1e-9 and transformer["bleu"]["values"] == bleus
+        (m, s) for m in ("transformer", "talking_heads", "rim_lstm", "lstm") for s in (1, 2)]
+    for r in results["runs"]:
+        lstm_family = r["model"] in ("rim_lstm", "lstm")
+        assert r["num_updates"] == (3 if lstm_family else 2) and r["wps"] > 0 and 0 <= r["sacrebleu"] <= 100
+        assert r["command"][r["command"].index("--seed") + 1] == str(r["seed"])
+        assert (r["command"][-3:-1] == ["--lr", "0.001"]) == lstm_family
+    table = results["table"]
+    assert set(table["transformer"]["redundancy"]) == {"enc_self", "dec_self", "enc_dec"}
+    assert table["rim_lstm"]["redundancy"] == {}
+    bleus = [r["sacrebleu"] for r in results["runs"] if r["model"] == "transformer"]
+    assert abs(table["transformer"]["sacrebleu"]["mean"] - sum(bleus) / 2) < 1e-9
+
+    comparisons = results["comparisons"]
+    assert {n: c["baseline"] for n, c in comparisons.items()} == {"talking_heads": "transformer", "rim_lstm": "lstm"}
+    for c in comparisons.values():
+        low, high = c["pooled"]["ci95"]
+        assert low <= high and c["pooled"]["samples"] == 20 and c["pooled"]["seeds"] == 2
+        assert set(c["per_seed"]) == {"1", "2"}
+        assert c["pooled"]["verdict"] in ("better", "worse", "no difference")
+
     text = (tmp_path / "results.md").read_text()
     assert text == (out / "results.md").read_text()
-    assert "| rim_lstm | " in text and " vs lstm" not in text  # no baseline row, no delta
+    assert "| talking_heads | " in text and " vs transformer: **" in text and "| lstm | " in text
+    assert "## The baselines' validation curves" in text  # the curve measured first is part of the report
     assert f"fairseq-train {multi30k_bin} --user-dir fairseq_modattn --save-dir {out}/transformer/seed1/" in text
+
+    # the same directory refuses runs of another budget instead of mixing them into the table
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--models", "transformer", "--max-update", "4"],
+                          capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
+    assert proc.returncode == 1 and "holds runs made with other settings" in proc.stderr

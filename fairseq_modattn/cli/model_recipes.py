@@ -50,6 +50,8 @@ class ModelRecipe:
     criterion: str = "label_smoothed_cross_entropy"
     #: True for models with fairseq multi-head attention, whose head redundancy can be measured
     has_attention_heads: bool = True
+    #: the family whose baseline this model is compared with ("transformer" or "lstm")
+    family: str = "transformer"
 
     def train_flags(self) -> List[str]:
         """Everything fairseq-train needs besides the data, --user-dir, --save-dir and the budget."""
@@ -58,7 +60,7 @@ class ModelRecipe:
     def train_command(self, data, save_dir, *, seed: int, max_update: int, max_epoch: Optional[int] = None,
                       keep_last_epochs: int = 1, cpu: bool = True, extra: Sequence[str] = ()) -> List[str]:
         """The complete fairseq-train command line (EXTRA last, so it overrides the recipe)."""
-        from .evaluate import PLUGIN_DIR, fairseq_script
+        from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
         command = [fairseq_script("fairseq-train"), str(data), "--user-dir", str(PLUGIN_DIR),
                    "--save-dir", str(save_dir), "--seed", str(seed), "--max-update", str(max_update),
@@ -89,11 +91,15 @@ RECIPES: Dict[str, ModelRecipe] = {r.name: r for r in [
     ModelRecipe("rim_lstm", "RIM encoder (6 RIMs, 4 active) under fairseq's LSTM decoder",
                 ["--arch", "rim_lstm", *_LSTM_DECODER, "--rim-num", "6", "--rim-top-k", "4", "--rim-size", "32",
                  "--rim-input-key-size", "64", "--rim-input-value-size", "96"],
-                has_attention_heads=False),
+                has_attention_heads=False, family="lstm"),
     ModelRecipe("lstm", "fairseq's LSTM encoder-decoder with attention (the RIM baseline)",
                 ["--arch", "lstm", *_LSTM_DECODER, "--encoder-layers", "1", "--encoder-hidden-size", "176"],
-                has_attention_heads=False),
+                has_attention_heads=False, family="lstm"),
 ]}
+
+
+#: the baseline of each family: every other model of the family is compared with it
+FAMILY_BASELINES = {"transformer": "transformer", "lstm": "lstm"}
 
 
 def recipe(name: str) -> ModelRecipe:

@@ -57,8 +57,10 @@ from learning_curve import curve_markdown, flat_point, plot_curves, validation_c
 
 #: the models that train slowest per update on a CPU, started first so that the last runs are short
 SLOW = ("dma", "dma_nc8", "rim_lstm")
-#: settings that make two tables incomparable: a directory never mixes runs that differ in one
-IDENTITY_KEYS = ("data", "subset", "max_update", "lstm_max_update", "beam", "train_args", "lstm_train_args")
+#: settings that make two tables incomparable: a directory never mixes runs that differ in one. A
+#: family's budget and learning rate are in each run's own command, which its directory keeps and
+#: checks (cli/runs.py), so one family can be run and rerun before the other's settings are chosen
+IDENTITY_KEYS = ("data", "subset", "beam", "train_args")
 CURVE_IDENTITY_KEYS = ("data", "curve_updates", "train_args", "lstm_train_args")
 #: the look-ahead of the flatness rule, in updates
 FLAT_WINDOW = 1000

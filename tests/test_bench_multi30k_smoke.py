@@ -72,7 +72,24 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     assert "## The baselines' validation curves" in text  # the curve measured first is part of the report
     assert f"fairseq-train {multi30k_bin} --user-dir fairseq_modattn --save-dir {out}/transformer/seed1/" in text
 
-    # the same directory refuses runs of another budget instead of mixing them into the table
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--models", "transformer", "--max-update", "4"],
+    # a family's runs can be (re)run on their own: the transformer family's finished runs are reused
+    # whatever the LSTM family's settings
+    output = run([*common, "--models", "transformer", "talking_heads", "--seeds", "1", "2", "--max-update", "2",
+                  "--lstm-max-update", "7", "--subset", "valid", "--bootstrap-samples", "20",
+                  "--generate-args", "--max-len-b 5"])
+    assert "[transformer seed 2] already trained" in output and "training:" not in output
+
+    # but a run is never continued (seed 1, stopped after its last checkpoint) nor reused (seed 2) under
+    # another budget: the table would mix two budgets
+    (out / "transformer" / "seed1" / "train.done").unlink()
+    for seed in ("1", "2"):
+        proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--models", "transformer", "--seeds", seed,
+                               "--max-update", "4", "--subset", "valid"],
+                              capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
+        assert proc.returncode == 1, proc.stdout[-3000:]
+        assert f"holds a transformer seed {seed} model trained with another command" in proc.stderr, proc.stderr
+    # and another evaluation (here: another beam) is refused for the whole directory
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--models", "transformer", "--max-update", "2",
+                           "--subset", "valid", "--beam", "2"],
                           capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
-    assert proc.returncode == 1 and "holds runs made with other settings" in proc.stderr
+    assert proc.returncode == 1 and "holds runs made with other settings (beam: 5 -> 2)" in proc.stderr

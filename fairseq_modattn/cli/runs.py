@@ -5,6 +5,8 @@ A run lives in its own directory:
 
     RUN_DIR/checkpoints/        fairseq-train's --save-dir
     RUN_DIR/train.log           fairseq-train's output (appended to when a run continues)
+    RUN_DIR/train.command       the command, written when training starts: an unfinished run is
+                                only continued by the same command
     RUN_DIR/train.done          the command, written when training finished
     RUN_DIR/evaluation/         averaged.pt, generate-SUBSET.txt, results.json
     RUN_DIR/redundancy.json     parameter count and LR / HR per attention type
@@ -46,19 +48,30 @@ class TrainingRun:
     def done_marker(self) -> Path:
         return self.run_dir / "train.done"
 
+    @property
+    def command_record(self) -> Path:
+        return self.run_dir / "train.command"
+
+    def refuse_other_command(self, recorded: List[str]) -> None:
+        if recorded != self.command:
+            raise AnalysisError(f"{self.run_dir} holds a {self.label} model trained with another command "
+                                f"({shlex.join(recorded)}); use another output directory")
+
 
 def train(run: TrainingRun, log: Log) -> None:
     """Run fairseq-train unless ``train.done`` says it finished, streaming progress lines to LOG."""
     if run.done_marker.exists():
-        recorded = json_load(run.done_marker)["command"]
-        if recorded != run.command:
-            raise AnalysisError(f"{run.run_dir} holds a {run.label} model trained with another command "
-                                f"({shlex.join(recorded)}); use another output directory")
+        run.refuse_other_command(json_load(run.done_marker)["command"])
         log(f"[{run.label}] already trained ({run.done_marker})")
         return
     resuming = (run.run_dir / "checkpoints" / "checkpoint_last.pt").exists()
+    if resuming and run.command_record.exists():
+        # continuing a checkpoint under another budget or learning rate would train a model that
+        # neither command describes
+        run.refuse_other_command(json_load(run.command_record)["command"])
     log(f"[{run.label}] {'continuing' if resuming else 'training'}: {shlex.join(run.command)}")
     run.run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomically({"command": run.command}, run.command_record)
     with open(run.run_dir / "train.log", "a", encoding="utf-8") as out:
         proc = subprocess.Popen(run.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)

@@ -322,8 +322,8 @@ def curve_section(report: Dict, data) -> List[str]:
              f"{report['gain']} of the best reached by U + {report['window']:,} updates.", ""]
     for name, c in report["curves"].items():
         best = min(v for _, v in c["points"])
-        flat = f"{c['flat_at']:,} updates" if c["flat_at"] else "not within the run"
-        lines.append(f"- {name}: best {best:.3f}; flattened at {flat}.")
+        flat = f"flattened at {c['flat_at']:,} updates" if c["flat_at"] else "not flattened within the run"
+        lines.append(f"- {name}: best {best:.3f}; {flat}.")
     lines += ["", *curve_markdown({n: c["points"] for n, c in report["curves"].items()}), "", "```bash"]
     lines += [shlex.join(_portable(c["command"], str(data))) for c in report["curves"].values()]
     lines += ["```", ""]
@@ -359,8 +359,11 @@ def main(argv=None) -> int:
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
         # slowest models first, so that the last ones to finish are short
         order = sorted(((m, s) for s in args.seeds for m in args.models), key=lambda ms: (ms[0] not in SLOW, ms[1]))
-        log(f"{len(order)} runs ({len(args.models)} models x {len(args.seeds)} seeds), {args.max_update} updates "
-            f"(LSTM family {args.lstm_max_update}) each, {jobs} at a time")
+        budgets = {family_settings(m, args)["max_update"] for m in args.models}
+        lstm = [m for m in args.models if RECIPES[m].family == "lstm"]
+        mixed = lstm and len(lstm) < len(args.models)
+        each = f"{args.max_update} updates (LSTM family {args.lstm_max_update})" if mixed else f"{budgets.pop()} updates"
+        log(f"{len(order)} runs ({len(args.models)} models x {len(args.seeds)} seeds), {each} each, {jobs} at a time")
         results = runs.run_concurrently(lambda ms: one_run(*ms, args, log), order, jobs)
         results.sort(key=lambda r: (args.models.index(r["model"]), r["seed"]))
         table = aggregate(results, args.models)

@@ -116,6 +116,16 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    package's loaders report it as their one-line error). A checkpoint of THIS plugin loaded
    without ``--user-dir`` never imports this module: README.md, "Troubleshooting", quotes what
    fairseq prints then.
+
+11. fairseq 0.12 ``models/wav2vec/wav2vec2_classification.py`` calls
+   ``logging.basicConfig(level=logging.DEBUG)`` at import time, and ``import fairseq`` imports it:
+   a process whose first import of fairseq is this package's (``fairseq-modattn``, the
+   benchmarks, a user's script) got a root logger at DEBUG with a stderr handler, so every
+   library's debug records were printed (matplotlib's font search filled the multi30k
+   benchmark's log with hundreds of lines). When that import of fairseq is ours and it changed
+   the root logger, the root logger's level and handlers are put back as they were. Where
+   fairseq was imported before the plugin (``fairseq-train --user-dir``, which configures logging
+   itself first), nothing is touched.
 """
 
 import argparse
@@ -175,7 +185,17 @@ def _drops_tensorboardx_notice(log: logging.Logger) -> bool:
 if not _drops_tensorboardx_notice(logging.getLogger(_TEXT_TO_SPEECH_LOGGER)) and _logs_tensorboardx_notice():
     logging.getLogger(_TEXT_TO_SPEECH_LOGGER).addFilter(DropTensorboardXNotice())
 
+
+# ------------------------------------------------------------------ 11. the root logger at DEBUG
+_ROOT_LOGGER = logging.getLogger()
+_root_before_fairseq = None if "fairseq" in sys.modules else (_ROOT_LOGGER.level, list(_ROOT_LOGGER.handlers))
+
 from fairseq import checkpoint_utils  # noqa: E402  (after fix 9, which must precede fairseq's import)
+
+if _root_before_fairseq is not None and _ROOT_LOGGER.level == logging.DEBUG != _root_before_fairseq[0]:
+    _ROOT_LOGGER.setLevel(_root_before_fairseq[0])
+    for _handler in [h for h in _ROOT_LOGGER.handlers if h not in _root_before_fairseq[1]]:
+        _ROOT_LOGGER.removeHandler(_handler)
 from fairseq.data import data_utils  # noqa: E402
 from fairseq.distributed import utils as distributed_utils  # noqa: E402
 from fairseq import models as fairseq_models  # noqa: E402

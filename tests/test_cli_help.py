@@ -13,6 +13,7 @@ import os
 
 import argparse
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -227,3 +228,31 @@ def test_the_filter_drops_the_notice_only():
     assert not drop.filter(record("Please install tensorboardX: pip install tensorboardX"))
     assert drop.filter(record("loading speech data"))
     assert drop.filter(record("Please install tensorboardX: pip install tensorboardX", name="elsewhere"))
+
+
+ROOT_LOGGER_STATE = "import logging; r = logging.getLogger(); print(r.level, len(r.handlers))"
+
+
+def test_importing_the_plugin_leaves_the_root_logger_alone():
+    """compat.py fix 11: fairseq's import sets the root logger to DEBUG with a stderr handler
+    (wav2vec2_classification.py), so a script importing the plugin printed every library's debug
+    records; after ``import fairseq_modattn`` the root logger is as Python left it, and a debug
+    record of another library prints nothing."""
+    code, out, err = run([sys.executable, "-c", "import fairseq_modattn; " + ROOT_LOGGER_STATE +
+                          "; logging.getLogger('matplotlib').debug('font search')"])
+    assert code == 0, err
+    assert out.split() == [str(logging.WARNING), "0"] and "font search" not in err, (out, err)
+
+
+def test_fairseq_itself_sets_the_root_logger_to_debug():
+    """The behaviour fix 11 corrects (else the test above proves nothing), and fix 11 leaves a root
+    logger alone that fairseq configured before the plugin was imported."""
+    code, out, err = run([sys.executable, "-c", "import importlib.util, pathlib; print(pathlib.Path("
+                          "importlib.util.find_spec('fairseq.models.wav2vec.wav2vec2_classification').origin)"
+                          ".read_text())"])
+    if "basicConfig(level=logging.DEBUG)" not in out:
+        pytest.skip("the installed fairseq does not set the root logger to DEBUG")
+    for imports in ("import fairseq", "import fairseq, fairseq_modattn"):
+        code, out, err = run([sys.executable, "-c", f"{imports}; {ROOT_LOGGER_STATE}"])
+        assert code == 0, err
+        assert out.split() == [str(logging.DEBUG), "1"], (imports, out)

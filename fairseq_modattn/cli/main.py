@@ -144,12 +144,10 @@ COMMANDS = {
 
 
 def configure_logging():
-    """INFO-level logs on stderr in fairseq's format. fairseq 0.12's ``tasks/text_to_speech.py``
-    calls ``logging.basicConfig(level=DEBUG)`` when imported (importing this package imports it
-    through ``fairseq.tasks``), which would put every library's DEBUG output (matplotlib's font
-    search...) on the console; ``force`` replaces that configuration. The task's import-time
-    'Please install tensorboardX' notice is dropped by compat.py (fix 9) before fairseq is
-    imported, which this function runs too late to do."""
+    """INFO-level logs on stderr in fairseq's format, replacing (``force``) whatever configuration
+    the root logger had. fairseq's import-time logging is dealt with in compat.py before fairseq is
+    imported, which this function runs too late to do: fix 9 drops the 'Please install
+    tensorboardX' notice and fix 11 undoes ``wav2vec2_classification.py``'s root logger at DEBUG."""
     import logging
 
     class CurrentStderr(logging.StreamHandler):

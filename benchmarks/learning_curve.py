@@ -72,8 +72,9 @@ def curve_markdown(curves: Dict[str, Sequence[Point]], every: int = 500) -> List
     return lines
 
 
-def plot_curves(curves: Dict[str, Sequence[Point]], budgets: Dict[str, int], path: Path) -> Path:
-    """A PNG of each curve (validation nll against updates) with its chosen budget marked."""
+def plot_curves(curves: Dict[str, Sequence[Point]], flat_at: Dict[str, int], path: Path) -> Path:
+    """A PNG of each curve (validation nll against updates) with the point where it flattened
+    (``flat_point``) marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,9 +87,9 @@ def plot_curves(curves: Dict[str, Sequence[Point]], budgets: Dict[str, int], pat
         if not points:
             continue
         line, = ax.plot([u for u, _ in points], [v for _, v in points], marker=".", label=name)
-        if name in budgets:
-            ax.axvline(budgets[name], color=line.get_color(), linestyle="--", linewidth=1,
-                       label=f"{name} budget ({budgets[name]:,} updates)")
+        if name in flat_at:
+            ax.axvline(flat_at[name], color=line.get_color(), linestyle="--", linewidth=1,
+                       label=f"{name} flattened ({flat_at[name]:,} updates)")
     ax.set_xlabel("updates")
     ax.set_ylabel("validation nll (base 2, per target token)")
     ax.set_title("Multi30k de-en: validation curves of the baselines")

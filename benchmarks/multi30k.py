@@ -36,6 +36,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -48,7 +49,7 @@ from typing import Dict, List, Optional, Sequence
 import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError, scoring
 from fairseq_modattn.analysis.significance import paired_bootstrap, seed_pairs
-from fairseq_modattn.atomic_files import write_json_atomically
+from fairseq_modattn.atomic_files import atomic_path, check_marked_section, write_json_atomically, write_marked_section
 from fairseq_modattn.cli import runs
 from fairseq_modattn.cli.model_recipes import FAMILY_BASELINES, RECIPES, TRAIN_FLAGS
 from fairseq_modattn.help_format import DefaultsHelpFormatter
@@ -62,6 +63,8 @@ SLOW = ("dma", "dma_nc8", "rim_lstm")
 #: checks (cli/runs.py), so one family can be run and rerun before the other's settings are chosen
 IDENTITY_KEYS = ("data", "subset", "beam", "train_args")
 CURVE_IDENTITY_KEYS = ("data", "curve_updates", "train_args", "lstm_train_args")
+#: the name of the report's section in the --markdown page
+REPORT_SECTION = "benchmarks/multi30k.py report"
 #: the look-ahead of the flatness rule, in updates
 FLAT_WINDOW = 1000
 
@@ -88,7 +91,10 @@ def parse_args(argv=None):
     p.add_argument("--beam", type=int, default=5, help="fairseq-generate --beam")
     p.add_argument("--bootstrap-samples", type=int, default=1000, help="resamples of the paired bootstrap")
     p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: one per CPU core)")
-    p.add_argument("--markdown", type=Path, default=None, help="also write the report here (e.g. docs/results.md)")
+    p.add_argument("--markdown", type=Path, default=None,
+                   help="also write the report into this page (e.g. docs/results.md), between its lines "
+                        f"'<!-- {REPORT_SECTION}: begin ... -->' and '<!-- {REPORT_SECTION}: end -->', one heading "
+                        "level down; a page without them is refused, a missing one is created")
     p.add_argument("--results-json", type=Path, default=None,
                    help="also write the results JSON here (e.g. benchmarks/results/multi30k.json)")
     p.add_argument("--generate-args", default="", metavar="ARGS", help="extra fairseq-generate flags (tests)")
@@ -110,6 +116,11 @@ def parse_args(argv=None):
     for flag, path in (("--markdown", args.markdown), ("--results-json", args.results_json)):
         if path is not None and path.is_dir():
             p.error(f"{flag} {path} is a directory; give a file path")
+    if args.markdown is not None:
+        try:
+            check_marked_section(args.markdown, REPORT_SECTION)
+        except FileExistsError as e:
+            p.error(f"--markdown {e}")
     return args
 
 
@@ -372,14 +383,15 @@ def main(argv=None) -> int:
         print(f"multi30k benchmark: error: {e}", file=sys.stderr)
         return 1
     text = report_text(args, argv, settings, table, comparisons, results, jobs, threads)
-    (args.output_dir / "results.md").write_text(text, encoding="utf-8")
+    with atomic_path(args.output_dir / "results.md") as tmp:
+        tmp.write_text(text, encoding="utf-8")
     document = {"settings": settings, "table": table, "comparisons": comparisons, "runs": results}
     write_json_atomically(document, args.output_dir / "results.json")
-    for path, write in ((args.markdown, lambda p: p.write_text(text, encoding="utf-8")),
-                        (args.results_json, lambda p: write_json_atomically(document, p))):
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write(path)
+    if args.markdown is not None:  # a section of a page, one heading level down
+        section = re.sub(r"^(#+) ", r"#\1 ", text, flags=re.MULTILINE)
+        write_marked_section(args.markdown, REPORT_SECTION, section)
+    if args.results_json is not None:
+        write_json_atomically(document, args.results_json)
     print()
     print(text)
     log(f"wrote {args.output_dir / 'results.md'}, results.json")

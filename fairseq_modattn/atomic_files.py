@@ -8,6 +8,8 @@ one, and an interrupted run leaves no half-written output that a rerun would tru
     atomic_write(path, write)         the same for a writer that takes a file name (torch.save)
     write_lines(path, lines)          one line per item, UTF-8, ``\\n``
     write_json_atomically(obj, path)  indented JSON for people (results, summaries of commands)
+    write_marked_section(path, name, text) / check_marked_section(path, name)
+                                      a command's own part of a page people also edit
     save_json(path, obj) / load_json  sorted JSON records of data preparation, and reading them back
     check_output_file(path, flag)     the up-front refusal of an output flag that names a folder
     is_temporary / remove_stale_temporaries / remove_path
@@ -145,3 +147,39 @@ def save_json(path: PathLike, obj):
 def load_json(path: PathLike):
     """The JSON document in PATH (what ``save_json`` or ``write_json_atomically`` wrote)."""
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def _section_markers(name: str):
+    return f"<!-- {name}: begin (written by the command; edits here are replaced) -->", f"<!-- {name}: end -->"
+
+
+def check_marked_section(path: PathLike, name: str, error=FileExistsError):
+    """Raise ERROR unless ``write_marked_section(PATH, NAME, ...)`` can write: PATH is missing, or
+    a file holding the markers of section NAME once each, in order. Commands call it before
+    their work, as ``check_output_file``."""
+    path = Path(path)
+    begin, end = _section_markers(name)
+    if path.is_dir():
+        raise error(f"{path} is a directory; give a file path")
+    if path.exists():
+        old = path.read_text(encoding="utf-8")
+        if old.count(begin) != 1 or old.count(end) != 1 or old.index(begin) > old.index(end):
+            raise error(f"{path} exists and has no '{name}' section (the lines {begin} and {end}) "
+                        "to replace; add them where the report belongs, or give another file")
+
+
+def write_marked_section(path: PathLike, name: str, text: str, error=FileExistsError) -> Path:
+    """Put TEXT into PATH between the markers of section NAME, atomically, leaving the rest of
+    the file as it is: a command's report can live in a page whose other parts people write.
+    A missing PATH is created holding the section alone; an existing PATH without both markers
+    is refused with ERROR (``check_marked_section``), since writing it would replace what the
+    command did not write. Returns PATH."""
+    path = Path(path)
+    check_marked_section(path, name, error)
+    begin, end = _section_markers(name)
+    section = f"{begin}\n{text.rstrip()}\n{end}"
+    old = path.read_text(encoding="utf-8") if path.exists() else f"{begin}{end}\n"
+    new = old[: old.index(begin)] + section + old[old.index(end) + len(end):]
+    with atomic_path(path) as tmp:
+        tmp.write_text(new, encoding="utf-8")
+    return path

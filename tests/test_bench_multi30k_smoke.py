@@ -66,11 +66,22 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
         assert set(c["per_seed"]) == {"1", "2"}
         assert c["pooled"]["verdict"] in ("better", "worse", "no difference")
 
-    text = (tmp_path / "results.md").read_text()
-    assert text == (out / "results.md").read_text()
+    # --markdown: the report, one heading level down, between the page's markers; the rest is kept
+    page = (tmp_path / "results.md").read_text()
+    text = (out / "results.md").read_text()
+    assert page.startswith("<!-- benchmarks/multi30k.py report: begin") and "\n## Multi30k de-en: " in page
+    assert page.count("\n### The baselines' validation curves") == 1 and text.startswith("# Multi30k de-en: ")
     assert "| talking_heads | " in text and " vs transformer: **" in text and "| lstm | " in text
     assert "## The baselines' validation curves" in text  # the curve measured first is part of the report
     assert f"fairseq-train {multi30k_bin} --user-dir fairseq_modattn --save-dir {out}/transformer/seed1/" in text
+
+    # a page without the report's markers is never overwritten
+    mine = tmp_path / "notes.md"
+    mine.write_text("my notes\n")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--markdown", str(mine)], capture_output=True,
+                          text=True, timeout=300, env=cli_environment(), cwd=REPO)
+    assert proc.returncode == 2 and "has no 'benchmarks/multi30k.py report' section" in proc.stderr
+    assert mine.read_text() == "my notes\n"
 
     # a family's runs can be (re)run on their own: the transformer family's finished runs are reused
     # whatever the LSTM family's settings

@@ -298,3 +298,30 @@ def test_utf8_byte_order_mark_is_stripped(tmp_path):
     for path in [*(dest.parent / "bin.work").rglob("*.de"), *(dest.parent / "bin.work").rglob("*.en"),
                  dest / "dict.de.txt", dest / "dict.en.txt"]:
         assert "\ufeff" not in path.read_text(encoding="utf-8"), path
+
+
+# ------------------------------------------------------------- a command's section of a page
+def test_marked_section_replaces_only_its_section(tmp_path):
+    """``write_marked_section``: a missing page is created with the section alone; a page with the
+    markers keeps every byte outside them; a page without them (or a folder) is refused and kept."""
+    from fairseq_modattn.atomic_files import check_marked_section, write_marked_section
+
+    page = tmp_path / "results.md"
+    write_marked_section(page, "report", "first\n")
+    begin, end = page.read_text().splitlines()[0], page.read_text().splitlines()[-1]
+    assert page.read_text() == f"{begin}\nfirst\n{end}\n" and begin.startswith("<!-- report: begin")
+
+    page.write_text(f"# My notes\n\nbefore\n{begin}\nfirst\n{end}\nafter, by hand\n")
+    write_marked_section(page, "report", "second\nline")
+    assert page.read_text() == f"# My notes\n\nbefore\n{begin}\nsecond\nline\n{end}\nafter, by hand\n"
+    assert litter(tmp_path) == []
+
+    for text in ("# a page of someone else's\n", f"{end}\n{begin}\n", f"{begin}\n{begin}\n{end}\n"):
+        page.write_text(text)
+        for call in (lambda: check_marked_section(page, "report"),
+                     lambda: write_marked_section(page, "report", "third")):
+            with pytest.raises(FileExistsError, match="has no 'report' section"):
+                call()
+        assert page.read_text() == text
+    with pytest.raises(FileExistsError, match="is a directory"):
+        write_marked_section(tmp_path, "report", "x")

@@ -47,6 +47,7 @@ import torch
 import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.atomic_files import write_json_atomically
+from fairseq_modattn.child_processes import stopping_on_sigterm
 from fairseq_modattn.cli import runs
 from fairseq_modattn.cli.model_recipes import RECIPES, TRAIN_FLAGS, ModelRecipe
 
@@ -243,6 +244,9 @@ def main(argv=None) -> int:
     except AnalysisError as e:
         print(f"dma_objective benchmark: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("dma_objective benchmark: interrupted; finished runs are kept, rerun the same command to continue", file=sys.stderr)
+        return 130
     table = summarise(results, args.models)
     verdicts = checks(table)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -258,4 +262,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stopping_on_sigterm():  # SIGTERM stops the fairseq runs and ends as Ctrl-C does
+        sys.exit(main())

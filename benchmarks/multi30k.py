@@ -50,6 +50,7 @@ import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError, scoring
 from fairseq_modattn.analysis.significance import paired_bootstrap, seed_pairs
 from fairseq_modattn.atomic_files import atomic_path, check_marked_section, write_json_atomically, write_marked_section
+from fairseq_modattn.child_processes import stopping_on_sigterm
 from fairseq_modattn.cli import runs
 from fairseq_modattn.cli.model_recipes import FAMILY_BASELINES, RECIPES, TRAIN_FLAGS
 from fairseq_modattn.help_format import DefaultsHelpFormatter
@@ -382,6 +383,9 @@ def main(argv=None) -> int:
     except AnalysisError as e:
         print(f"multi30k benchmark: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("multi30k benchmark: interrupted; finished runs are kept, rerun the same command to continue", file=sys.stderr)
+        return 130
     text = report_text(args, argv, settings, table, comparisons, results, jobs, threads)
     with atomic_path(args.output_dir / "results.md") as tmp:
         tmp.write_text(text, encoding="utf-8")
@@ -432,4 +436,5 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stopping_on_sigterm():  # SIGTERM stops the fairseq runs and ends as Ctrl-C does
+        sys.exit(main())

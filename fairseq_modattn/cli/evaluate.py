@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .. import child_processes
 from ..analysis import AnalysisError
 from ..analysis import checkpoints as ckpt
 from ..analysis import scoring
@@ -202,8 +203,8 @@ def _run_generate(command: List[str], output: Path, expected: int, log: Callable
     many sentences are translated so far (every tenth of the split)."""
     log(f"running: {shlex.join(command)}")
     lines, done, step = [], 0, max(1, expected // 10)
-    with open(output.with_suffix(".log"), "w", encoding="utf-8") as err:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+    with open(output.with_suffix(".log"), "w", encoding="utf-8") as err, child_processes.running(
+            command, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("H-"):

@@ -111,8 +111,11 @@ def prepare(argv: List[str]) -> int:
         return 2
     from fairseq_modattn.data.errors import DataError
 
+    from fairseq_modattn.child_processes import stopping_on_sigterm
+
     try:
-        data.prepare(argv[0], argv[1:])
+        with stopping_on_sigterm():  # SIGTERM ends it as Ctrl-C does, with the reminder below
+            data.prepare(argv[0], argv[1:])
     except DataError as e:
         print(f"fairseq-modattn prepare {argv[0]}: error: {e}", file=sys.stderr)
         return 1

@@ -22,11 +22,12 @@ import subprocess
 import sys
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
+from .. import child_processes
 from ..analysis import AnalysisError
 from ..atomic_files import write_json_atomically
 
@@ -72,9 +73,8 @@ def train(run: TrainingRun, log: Log) -> None:
     log(f"[{run.label}] {'continuing' if resuming else 'training'}: {shlex.join(run.command)}")
     run.run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomically({"command": run.command}, run.command_record)
-    with open(run.run_dir / "train.log", "a", encoding="utf-8") as out:
-        proc = subprocess.Popen(run.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
+    with open(run.run_dir / "train.log", "a", encoding="utf-8") as out, child_processes.running(
+            run.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             out.write(line)
             if _PROGRESS.search(line):
@@ -93,8 +93,14 @@ def run_concurrently(function: Callable, items: Sequence, jobs: int) -> List:
     have stopped."""
     if jobs <= 1 or len(items) <= 1:
         return [function(item) for item in items]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
         futures = [pool.submit(function, item) for item in items]
+        wait(futures)
+    except BaseException:  # interrupted: the runs not started yet never start
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]
@@ -177,9 +183,11 @@ def _measure(path, label, model_path, data, subset, attentions, cpu, log) -> Dic
 
 def resumable_command(prog: str, body: Callable[[], int]) -> int:
     """Run BODY, the work of command PROG; an AnalysisError becomes its message and exit status 1,
-    an interruption a reminder that rerunning the command continues it (status 130)."""
+    an interruption (Ctrl-C, or SIGTERM, which first stops the fairseq commands it runs) a
+    reminder that rerunning the command continues it (status 130)."""
     try:
-        return body()
+        with child_processes.stopping_on_sigterm():
+            return body()
     except AnalysisError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

@@ -12,7 +12,6 @@ file and records the files it wrote, with the text settings of each language, in
 alone on every rerun.
 """
 
-import ctypes
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..atomic_files import PathLike, atomic_path, is_temporary, remove_path
+from ..child_processes import die_with_parent
 from .errors import DataError
 from .manifest import MANIFEST, WRITTEN_BY, data_bin_files, read_manifest
 from .steps import Steps
@@ -36,42 +36,14 @@ _CHILD_WRAPPER = (
     "sys.argv[0] = 'fairseq-preprocess'\n"
     "runpy.run_module('fairseq_cli.preprocess', run_name='__main__', alter_sys=True)\n"
 )
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent():
-    """A ``preexec_fn`` making the child get SIGTERM when this process dies.
-
-    Why: a ``subprocess`` child outlives its parent. When ``prepare`` is killed with SIGKILL
-    (no ``finally`` runs), fairseq-preprocess would go on for minutes or hours and finish a
-    data-bin into a temporary folder nobody renames. Linux's ``prctl(PR_SET_PDEATHSIG)`` makes
-    the kernel signal the child when its parent dies, whatever kills it; the wrapper above then
-    kills the child's process group (its worker pool too). libc is loaded in the parent (no
-    dlopen between fork and exec). Elsewhere this is a no-op; the parent still stops the child
-    on any exception, KeyboardInterrupt included (``_run_child``)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):  # pragma: no cover - exotic libc
-        return None
-    parent = os.getpid()
-
-    def preexec():
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def _run_child(cmd: Sequence[str]) -> Tuple[int, str]:
     """Run CMD (a Python child) to completion: (exit status, stdout + stderr). The child leads
-    its own process group, dies with this process (``_die_with_parent``), and the group is
+    its own process group, dies with this process (``child_processes.die_with_parent``), and the group is
     killed when this process raises while waiting (Ctrl-C included)."""
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=_die_with_parent())
+                            start_new_session=True, preexec_fn=die_with_parent())
     try:
         out, _ = proc.communicate()
     except BaseException:
@@ -122,7 +94,7 @@ def fairseq_preprocess(dest: PathLike, src: str, tgt: str, trainpref: PathLike,
     which must not exist yet (an existing folder is refused with DataError, never replaced; the
     recipes' ``binarize_step`` updates a data-bin file by file instead).
     Its ``preprocess.log`` names LOG_DEST (default DEST), not the temporary folder, so reruns
-    write identical bytes. The child process dies with this one (see ``_die_with_parent``)."""
+    write identical bytes. The child process dies with this one (see ``child_processes.die_with_parent``)."""
     dest = Path(dest)
     if dest.is_dir() and not dest.is_symlink() and not is_temporary(dest):
         raise DataError("already exists; fairseq_preprocess writes a new folder (remove it or give another)", dest)

@@ -3,6 +3,7 @@ cut to a few hundred lines, tokenised, BPE'd and binarised by the real fairseq-p
 
 import gzip
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,20 @@ def pytest_addoption(parser):
 def fairseq_cli(name: str) -> str:
     """Path of a fairseq console script of the running interpreter's environment."""
     return str(BIN / name)
+
+
+#: the package's own console script
+MODATTN = fairseq_cli("fairseq-modattn")
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple:
+    """(width, height) of a PNG file, read from its IHDR chunk."""
+    head = Path(path).read_bytes()[:24]
+    assert head[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert head[12:16] == b"IHDR", f"{path} has no IHDR chunk first"
+    return struct.unpack(">II", head[16:24])
 
 
 def cli_environment(**extra) -> dict:

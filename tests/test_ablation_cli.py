@@ -5,14 +5,12 @@ import csv
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import MODATTN, run_cli
 
-MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
 # a 1+1-layer model of width 32 trained for 2 epochs of the 100 valid sentences (1 update each),
 # evaluated on the same split with short outputs
 TINY = [

@@ -3,27 +3,17 @@ fairseq-train (conftest.tiny_checkpoints), for this package's models and a plain
 
 import json
 import shutil
-import struct
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import MODATTN, png_size, run_cli
 from fairseq_modattn.analysis.plots import figure_size_px
-
-MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
 
 
 def modattn(*args, check=True):
     return run_cli([MODATTN, *args], check=check)
-
-
-def png_size(path: Path):
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    return struct.unpack(">II", data[16:24])
 
 
 def split_sizes(data, split: str, lang: str):

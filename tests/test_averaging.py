@@ -3,13 +3,11 @@ and the ``fairseq-modattn average`` command on checkpoints of a real fairseq-tra
 
 import collections
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PLUGIN, fairseq_cli, run_cli
+from conftest import MODATTN, PLUGIN, fairseq_cli, run_cli
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.checkpoints import (
     average_checkpoints,
@@ -17,8 +15,6 @@ from fairseq_modattn.analysis.checkpoints import (
     save_checkpoint_atomically,
 )
 from fairseq_modattn.cli.main import main as modattn_main
-
-MODATTN = Path(sys.executable).parent / "fairseq-modattn"
 
 
 def fake_checkpoint(path, model, **extra):

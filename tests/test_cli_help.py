@@ -17,13 +17,10 @@ import logging
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import cli_environment
-
-MODATTN = Path(sys.executable).parent / "fairseq-modattn"
+from conftest import MODATTN, cli_environment
 
 # Every command of cli.main.COMMANDS, every plot kind, every prepare corpus, and `flags --arch A
 # --all` of every architecture of the package: their help texts, as JSON on stdout.

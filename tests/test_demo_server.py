@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bpe_codes, cli_environment
+from conftest import MODATTN, bpe_codes, cli_environment
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")
 pytest.importorskip("plotly", reason="the demo needs plotly: pip install -e '.[demo]'")
 
-MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
 SENTENCE = "Zwei Hunde spielen im Schnee."
 CONCURRENT_REQUESTS = 50
 

@@ -3,15 +3,12 @@ its last epoch checkpoints averaged, the real fairseq-generate, BLEU/sacreBLEU i
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import fairseq_cli, run_cli, tiny_train_args
+from conftest import MODATTN, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.cli.main import main as modattn_main
-
-MODATTN = Path(sys.executable).parent / "fairseq-modattn"
 
 # Short hypotheses keep beam search on an untrained model fast.
 FAST_GENERATE = ["--", "--max-len-b", "20"]

@@ -11,7 +11,6 @@ import io
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +19,11 @@ import sacrebleu
 import torch
 
 import fairseq_modattn  # noqa: F401  (compat.py, as --user-dir applies it)
-from conftest import PLUGIN, cli_environment, fairseq_cli, run_cli, tiny_train_args
+from conftest import MODATTN, PLUGIN, cli_environment, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.checkpoints import average_checkpoints
 from fairseq_modattn.analysis.loading import load_model
 
-MODATTN = Path(sys.executable).parent / "fairseq-modattn"
 EVAL_BLEU = [
     "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 5}', "--eval-bleu-detok", "space",
     "--eval-bleu-remove-bpe", "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",

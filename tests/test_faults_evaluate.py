@@ -14,17 +14,15 @@ of fairseq-generate's output, and fairseq's own GenerationConfig defaults.
 import dataclasses
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import sacrebleu
 from sacremoses import MosesDetokenizer
 
-from conftest import fairseq_cli, run_cli, tiny_train_args
+from conftest import MODATTN, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.analysis import scoring
 
-MODATTN = Path(sys.executable).parent / "fairseq-modattn"
 SHORT = ["--max-len-b", "20"]  # short hypotheses keep beam search on an untrained model fast
 
 

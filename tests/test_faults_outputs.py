@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_environment
+from conftest import MODATTN, cli_environment
 from fairseq_modattn import data
 from fairseq_modattn.atomic_files import atomic_path
 from fairseq_modattn.cli.main import main
 from fairseq_modattn.data.readers import read_lines
 
-MODATTN = Path(sys.executable).parent / "fairseq-modattn"
 WORDS = "der die das haus katze hund baum stadt fluss berg auto zug licht wasser feuer".split()
 SIZES = {"train": 60, "val": 10, "test_2016_flickr": 10}
 FLAGS = ["--bpe-size", "30", "--no-download"]
@@ -217,7 +216,7 @@ def test_kill_9_leaves_no_orphan_and_a_rerun_no_litter(tmp_path):
     assert not [p for p in litter(tmp_path) if Path(p).name.startswith("..")], litter(tmp_path)
 
     # the main process killed with SIGKILL while fairseq-preprocess runs: the child dies too
-    main_proc = subprocess.Popen([str(MODATTN), "prepare", "multi30k", *argv], stdout=subprocess.DEVNULL,
+    main_proc = subprocess.Popen([MODATTN, "prepare", "multi30k", *argv], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     child = None
     try:

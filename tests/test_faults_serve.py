@@ -9,22 +9,19 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from pathlib import Path
 
 import pytest
 
-from conftest import bpe_codes, cli_environment
+from conftest import MODATTN, bpe_codes, cli_environment
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")
 pytest.importorskip("plotly", reason="the demo needs plotly: pip install -e '.[demo]'")
 
-MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
 # about 0.4 s each for the tiny model on one CPU thread (beam search, then the attention views);
 # the translator answers one request at a time
 LONG_TEXT = " ".join(["Zwei Hunde spielen im Schnee."] * 6)

@@ -1,27 +1,17 @@
 """fairseq_modattn.analysis.plots: PNG files of the documented pixel size, input validation,
 atomic writes, and the 2-D projections."""
 
-import struct
-
 import numpy as np
 import pytest
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 
+from conftest import PNG_SIGNATURE, png_size
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis import plots as P
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WORDS = ("a man in a blue shirt is stand@@ ing on a ladder clean@@ ing windows while two "
          "kids watch from the $5 sidewalk next to a very_long_subword_token_indeed and a dog .").split()
-
-
-def png_size(path):
-    """(width, height) from the IHDR chunk."""
-    head = path.read_bytes()[:24]
-    assert head[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
-    assert head[12:16] == b"IHDR"
-    return struct.unpack(">II", head[16:24])
 
 
 def check_png(path, expected_size):

@@ -22,10 +22,9 @@ import pytest
 import torch
 
 from cli_checks import logged
-from conftest import PLUGIN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
+from conftest import MODATTN, PLUGIN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn import compat
 
-MODATTN = Path(sys.executable).parent / "fairseq-modattn"
 #: what the criterion logs for a DMA model besides fairseq's loss, nll_loss and ppl (README.md)
 DMA_KEYS = {"ce_loss", "kl", "dqq", "dxq", "div", "gamma"}
 FOREIGN_ARCH = "another_plugins_transformer"

@@ -9,14 +9,10 @@ heads measured; then the same command again, which must reuse every finished ste
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
-
-MODATTN = str(Path(sys.executable).parent / "fairseq-modattn")
+from conftest import MODATTN, run_cli
 
 
 def quickstart(*args, check=True):

@@ -371,10 +371,10 @@ def main(argv=None) -> int:
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
         # slowest models first, so that the last ones to finish are short
         order = sorted(((m, s) for s in args.seeds for m in args.models), key=lambda ms: (ms[0] not in SLOW, ms[1]))
-        budgets = {family_settings(m, args)["max_update"] for m in args.models}
-        lstm = [m for m in args.models if RECIPES[m].family == "lstm"]
-        mixed = lstm and len(lstm) < len(args.models)
-        each = f"{args.max_update} updates (LSTM family {args.lstm_max_update})" if mixed else f"{budgets.pop()} updates"
+        if len({RECIPES[m].family for m in args.models}) > 1:
+            each = f"{args.max_update} updates (LSTM family {args.lstm_max_update})"
+        else:
+            each = f"{family_settings(args.models[0], args)['max_update']} updates"
         log(f"{len(order)} runs ({len(args.models)} models x {len(args.seeds)} seeds), {each} each, {jobs} at a time")
         results = runs.run_concurrently(lambda ms: one_run(*ms, args, log), order, jobs)
         results.sort(key=lambda r: (args.models.index(r["model"]), r["seed"]))

@@ -8,6 +8,7 @@ rerun that is meant to continue the run starts a second fairseq-train on the sam
 
     die_with_parent()     a ``preexec_fn``: the kernel sends the child SIGTERM when its parent dies
     start(cmd, **popen)   ``subprocess.Popen`` with that, the child recorded as running
+    running(cmd, **popen) ``start`` as a context, stopping the child if the block raises
     stop_all()            SIGTERM to every recorded child still running (then SIGKILL)
     stopping_on_sigterm() the calling command's SIGTERM becomes KeyboardInterrupt, after
                           stop_all(), so it ends as Ctrl-C does: "interrupted; rerun to continue"

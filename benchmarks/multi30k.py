@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError, scoring
@@ -92,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--beam", type=int, default=5, help="fairseq-generate --beam")
     p.add_argument("--bootstrap-samples", type=int, default=1000, help="resamples of the paired bootstrap")
     p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: one per CPU core)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (default): train and evaluate with fairseq's --cpu; cuda: on the GPU, which the "
+                        "--jobs runs share. The device is part of each run's command, so a directory's runs "
+                        "continue only on the device they started on")
     p.add_argument("--markdown", type=Path, default=None,
                    help="also write the report into this page (e.g. docs/results.md), between its lines "
                         f"'<!-- {REPORT_SECTION}: begin ... -->' and '<!-- {REPORT_SECTION}: end -->', one heading "
@@ -114,6 +118,8 @@ def parse_args(argv=None):
         p.error("--seeds and --models must not repeat a value")
     if not (args.data / "dict.de.txt").is_file():
         p.error(f"--data {args.data} is not a prepared de-en data-bin (no dict.de.txt)")
+    if args.device == "cuda" and not _cuda_available():
+        p.error("--device cuda: torch sees no CUDA device here; use --device cpu")
     for flag, path in (("--markdown", args.markdown), ("--results-json", args.results_json)):
         if path is not None and path.is_dir():
             p.error(f"{flag} {path} is a directory; give a file path")
@@ -133,15 +139,15 @@ def family_settings(name: str, args) -> Dict:
 
 
 def one_run(name: str, seed: int, args, log) -> Dict:
-    recipe, family = RECIPES[name], family_settings(name, args)
+    recipe, family, cpu = RECIPES[name], family_settings(name, args), args.device == "cpu"
     label, run_dir = f"{name} seed {seed}", args.output_dir / name / f"seed{seed}"
     command = recipe.train_command(args.data.resolve(), run_dir / "checkpoints", seed=seed,
-                                   max_update=family["max_update"], cpu=True, extra=family["extra"])
+                                   max_update=family["max_update"], cpu=cpu, extra=family["extra"])
     runs.train(runs.TrainingRun(label, run_dir, command), log)
-    evaluation = runs.evaluate(run_dir, label, str(args.data), subset=args.subset, beam=args.beam, cpu=True,
+    evaluation = runs.evaluate(run_dir, label, str(args.data), subset=args.subset, beam=args.beam, cpu=cpu,
                                generate_args=shlex.split(args.generate_args), log=log)
     measured = runs.redundancy(run_dir, label, evaluation["model_path"], str(args.data), subset=args.subset,
-                               attentions=ATTENTION_TYPES if recipe.has_attention_heads else (), cpu=True, log=log)
+                               attentions=ATTENTION_TYPES if recipe.has_attention_heads else (), cpu=cpu, log=log)
     stats = runs.training_stats(run_dir / "train.log")
     return {"model": name, "seed": seed, "bleu": evaluation["bleu"], "sacrebleu": evaluation["sacrebleu"],
             "sacrebleu_signature": evaluation["sacrebleu_signature"],
@@ -206,7 +212,13 @@ def compare(results: List[Dict], models: List[str], samples: int, log) -> Dict[s
     return out
 
 
-def machine() -> str:
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def machine(device: str = "cpu") -> str:
     import torch
     from importlib.metadata import version
 
@@ -218,7 +230,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{os.cpu_count()} cores ({cpu}), no GPU used; Python {platform.python_version()}, "
+    gpu = f"GPU {torch.cuda.get_device_name(0)}" if device == "cuda" else "no GPU used"
+    return (f"{os.cpu_count()} cores ({cpu}), {gpu}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, fairseq {version('fairseq-fixed') if _has('fairseq-fixed') else 'unknown'}")
 
 
@@ -307,7 +320,7 @@ def measure_curve(args, log, jobs: int) -> Dict:
     def train(name):
         run_dir = curve_dir / name
         command = RECIPES[name].train_command(args.data.resolve(), run_dir / "checkpoints", seed=1,
-                                              max_update=args.curve_updates, cpu=True,
+                                              max_update=args.curve_updates, cpu=args.device == "cpu",
                                               extra=family_settings(name, args)["extra"])
         runs.train(runs.TrainingRun(f"{name} curve", run_dir, command), log)
         return name, command
@@ -366,7 +379,8 @@ def main(argv=None) -> int:
                     "lstm_max_update": args.lstm_max_update, "beam": args.beam,
                     "train_args": TRAIN_FLAGS + shlex.split(args.train_args),
                     "lstm_train_args": family_settings("lstm", args)["extra"], "seeds": args.seeds,
-                    "models": args.models, "jobs": jobs, "threads": threads, "data_as_given": str(args.data),
+                    "models": args.models, "device": args.device, "jobs": jobs, "threads": threads,
+                    "data_as_given": str(args.data),
                     "bootstrap_samples": args.bootstrap_samples}
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
         # slowest models first, so that the last ones to finish are short
@@ -408,9 +422,9 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
     header = [
         "# Multi30k de-en: every method against its baseline",
         "",
-        f"Run {when}, commit {commit()}, {machine()}; {jobs} runs at a time, each on {threads} thread(s), so "
+        f"Run {when}, commit {commit()}, {machine(args.device)}; {jobs} runs at a time, each on {threads} thread(s), so "
         f"tokens/s (fairseq's training wps, target tokens, mean over seeds) is measured with {jobs} runs sharing "
-        f"the cores. {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}) per model. The transformer family "
+        f"the cores{' and the GPU' if args.device == 'cuda' else ''}. {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}) per model. The transformer family "
         f"trains for {args.max_update:,} updates, the LSTM family for {args.lstm_max_update:,} with {lstm_lr} "
         f"(max-tokens 4096). The final model translates `{args.subset}` (beam {args.beam}).",
         "",

@@ -104,3 +104,16 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
                            "--subset", "valid", "--beam", "2"],
                           capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
     assert proc.returncode == 1 and "holds runs made with other settings (beam: 5 -> 2)" in proc.stderr
+
+
+def test_multi30k_benchmark_refuses_cuda_without_a_gpu(multi30k_bin, tmp_path):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the refusal is for machines without one")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--data", str(multi30k_bin), "--output-dir",
+                           str(tmp_path / "bench"), "--device", "cuda"],
+                          capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
+    assert proc.returncode == 2 and "--device cuda: torch sees no CUDA device here" in proc.stderr, proc.stderr
+    assert not (tmp_path / "bench").exists()

@@ -57,13 +57,17 @@ fairseq_modattn/ has uncommitted changes, and a hash of its sources.
 Output: the table (length, batch, ms, ratios, MB), a note on how the time ratio grows with
 length compared with a cost that scales like attention, the generation speeds, and a JSON file
 (``--json``, default benchmarks/results/bench_dma.json). ``--profile L`` additionally prints
-the top ops by self CPU time of the DMA training step at length L (torch.profiler).
+the top ops by self CPU time of the DMA training step at length L (torch.profiler), and the
+same time and kernel ops by issuing function. ``--count-ops`` prints, per length, how many
+kernel-running ATen ops one training step of each model dispatches (harness.py, "Kernel
+launches"): what a GPU pays in launches, which a CPU's timings hide.
 
 Examples:
     python benchmarks/bench_dma.py                                  # full run, CPU
     python benchmarks/bench_dma.py --repeats 3 --warmup 1 --threads 2
     python benchmarks/bench_dma.py --device cuda --repeats 10 --warmup 3
     python benchmarks/bench_dma.py --quick                          # smoke run, seconds
+    python benchmarks/bench_dma.py --count-ops --no-train --no-generate   # GPU launches, on any device
 """
 
 import argparse
@@ -83,10 +87,12 @@ from harness import (
     build,
     fmt,
     interleaved_step_times,
+    kernel_op_counts,
     measure_peak,
     per_length,
     prepare_run,
     ratio_cell,
+    runs_kernel,
     results_header,
     sync,
     synthetic_dictionary,
@@ -223,7 +229,9 @@ def source_location(chain):
 
 
 def self_time_by_source(prof):
-    """Self CPU time of every op, attributed to the Python function that issued it.
+    """Self CPU time of every op, and the number of kernel-running operator calls (harness.py,
+    "Kernel launches"), attributed
+    to the Python function that issued them: [(location, self ns, kernel ops)], slowest first.
 
     Forward ops: the innermost plugin (else fairseq) frame of their call chain. Backward ops run
     in the autograd engine without Python frames; they go to the frame of the forward op whose
@@ -234,10 +242,10 @@ def self_time_by_source(prof):
     python = (_EventType.PyCall, _EventType.PyCCall)
     forward_location, ops = {}, []  # ops: (self ns, location, backward sequence number or None)
 
-    def walk(nodes, chain, backward_seq):
+    def walk(nodes, chain, backward_seq, inside_op=False):
         for node in nodes:
             if node.tag in python:
-                walk(node.children, chain + [node.name], backward_seq)
+                walk(node.children, chain + [node.name], backward_seq, inside_op)
                 continue
             if node.tag != _EventType.TorchOp:
                 continue
@@ -248,18 +256,21 @@ def self_time_by_source(prof):
                 backward_seq = seq
             elif backward_seq is None and seq >= 0 and location is not None:
                 forward_location.setdefault(seq, location)
-            ops.append((node.duration_time_ns - child_ns, location, backward_seq))
-            walk(node.children, chain, backward_seq)
+            aten = node.name.startswith("aten::")
+            call = aten and not inside_op and runs_kernel(node)
+            ops.append((node.duration_time_ns - child_ns, location, backward_seq, call))
+            walk(node.children, chain, backward_seq, inside_op or aten)
 
     walk(prof.profiler.kineto_results.experimental_event_tree(), [], None)
     totals = {}
-    for self_ns, location, backward_seq in ops:
+    for self_ns, location, backward_seq, kernel in ops:
         if backward_seq is not None:
             location = forward_location.get(backward_seq, "(unattributed)") + " [backward]"
         elif location is None:
             location = "(no fairseq frame: criterion / autograd glue)"
-        totals[location] = totals.get(location, 0) + max(self_ns, 0)
-    return sorted(totals.items(), key=lambda kv: -kv[1])
+        ns, kernels = totals.get(location, (0, 0))
+        totals[location] = (ns + max(self_ns, 0), kernels + kernel)
+    return sorted(((loc, ns, kernels) for loc, (ns, kernels) in totals.items()), key=lambda r: -r[1])
 
 
 def profile_dma(entry, cfg, d, device, length, top=15):
@@ -280,11 +291,36 @@ def profile_dma(entry, cfg, d, device, length, top=15):
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     ops_table = prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=60)
     by_source = self_time_by_source(prof)
-    total = sum(ns for _, ns in by_source) or 1
-    lines = [f"{'self CPU s':>10} {'share':>6}  issuing function (forward; [backward] = its autograd backward)"]
-    for location, ns in by_source[:top]:
-        lines.append(f"{ns / 1e9:>10.3f} {100.0 * ns / total:>5.1f}%  {location}")
-    return ops_table, "\n".join(lines), [{"location": loc, "self_s": ns / 1e9} for loc, ns in by_source]
+    total = sum(ns for _, ns, _ in by_source) or 1
+    lines = [f"{'self CPU s':>10} {'share':>6} {'kernel ops':>10}  issuing function "
+             f"(forward; [backward] = its autograd backward)"]
+    for location, ns, kernels in by_source[:top]:
+        lines.append(f"{ns / 1e9:>10.3f} {100.0 * ns / total:>5.1f}% {kernels:>10d}  {location}")
+    lines.append(f"{'':>17} {sum(k for _, _, k in by_source):>10d}  in all")
+    return ops_table, "\n".join(lines), [{"location": loc, "self_s": ns / 1e9, "kernel_ops": kernels}
+                                          for loc, ns, kernels in by_source]
+
+
+def count_ops(entries, cfg, d, device):
+    """Per length: the kernel ops of one training step of each model, and their ratio."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = []
+    for length in cfg.lengths:
+        bsz = max(cfg.tokens // length, 1)
+        sample = training_sample(length, bsz, d, gen, device)
+        counts = {}
+        for e in entries:
+            e["model"].train()
+            zero_grad(e["model"])
+            train_step(e, sample)  # the first step at a shape may take other paths (caches, allocation)
+            counts[e["name"]] = kernel_op_counts(e, sample)
+        t, m = (sum(counts[n].values()) for n in ("transformer", "dma"))
+        top = sorted(counts["dma"].items(), key=lambda kv: -kv[1])[:5]
+        rows.append({"length": length, "batch": bsz, "transformer_ops": t, "dma_ops": m, "ops_ratio": m / t,
+                     "dma_top_ops": dict(top)})
+        print(f"  L={length:4d} B={bsz:4d}: transformer {t:6d} | DMA {m:6d} ({m / t:.1f} x); DMA's most "
+              f"frequent: {', '.join(f'{name[6:]} {n}' for name, n in top)}", flush=True)
+    return rows
 
 
 # ----------------------------------------------------------------------------- main
@@ -332,6 +368,9 @@ def get_parser():
     p.add_argument("--gen-len", type=int, default=40, help="max_len_b = min_len of the generator")
     p.add_argument("--gen-repeats", type=int, default=3, help="timed passes over all sentences (median)")
     p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--count-ops", action="store_true",
+                   help="also count the kernel-running ATen ops of one training step per model and length "
+                        "(what a GPU pays in kernel launches; measurable on any device)")
     p.add_argument("--profile", type=int, default=None, metavar="L",
                    help="also print the top 15 ops (self time) of one DMA training step at length L")
     return p
@@ -392,13 +431,18 @@ def main(argv=None):
         print(f"  transformer with fairseq's beam-shared encoder keys {g[SHARED_BASELINE + '_sentences_per_s']:8.2f} "
               f"sentences/s | ratio DMA/that transformer {g['sentences_per_s_ratio_shared_keys']:.2f}")
 
+    if cfg.count_ops:
+        print("\nkernel ops per training step (ATen ops that run a kernel; on a GPU each is at least one "
+              "launch):", flush=True)
+        results["kernel_ops"] = count_ops(entries, cfg, d, device)
+
     if cfg.profile is not None:
         print(f"\ntop ops of one DMA training step at length {cfg.profile}, "
               f"batch {max(cfg.tokens // cfg.profile, 1)} (torch.profiler, self time):", flush=True)
         ops_table, source_table, by_source = profile_dma(entries[1], cfg, d, device, cfg.profile)
         results["profile"] = {"length": cfg.profile, "ops_table": ops_table, "by_source": by_source}
         print(ops_table)
-        print("the same self time by the Python function that issued the op:")
+        print("the same self time, and the kernel ops, by the Python function that issued the op:")
         print(source_table)
 
     write_json(cfg.json, results)

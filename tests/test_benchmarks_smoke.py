@@ -57,3 +57,51 @@ def test_bench_dma_quick(tmp_path):
     # The printed table carries the same numbers.
     assert "time ratio" in proc.stdout and "mem ratio" in proc.stdout
     assert "ratio DMA/transformer" in proc.stdout
+
+
+# The rule by which harness.kernel_op_counts counts a step's kernel launches, on ops whose
+# answer is known. It runs in a child process: importing harness switches logging off.
+KERNEL_CALLS_CHECK = r"""
+import json, sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+sys.path.insert(0, sys.argv[1])
+from harness import kernel_calls
+
+x = torch.ones(4, 4)  # made before profiling
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    torch.zeros(3)                 # counted: the op fills memory
+    y = x.view(16)                 # a view: no kernel
+    y.to(torch.float32)            # already float32: returns its input, no kernel
+    y.to(torch.float64)            # a copy: counted once (not also its inner _to_copy / copy_)
+    (x * 2.0).sum()                # mul and sum; the scalar's conversion inside mul is mul's own
+    x.contiguous()                 # already contiguous: no kernel
+    x.t().contiguous()             # transpose is a view; contiguous copies: counted
+counts = {}
+for node in kernel_calls(prof.profiler.kineto_results.experimental_event_tree()):
+    counts[node.name] = counts.get(node.name, 0) + 1
+print(json.dumps(counts))
+"""
+
+
+def test_kernel_calls_count_the_ops_that_launch_kernels():
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CALLS_CHECK, str(REPO / "benchmarks")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts == {"aten::zeros": 1, "aten::to": 1, "aten::mul": 1, "aten::sum": 1, "aten::contiguous": 1}
+
+
+def test_bench_dma_counts_kernel_ops(tmp_path):
+    out = tmp_path / "ops.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--count-ops", "--no-train",
+                           "--no-generate", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = json.loads(out.read_text())["kernel_ops"]
+    assert [r["length"] for r in rows] == [8, 32]
+    for r in rows:
+        # DMA's step has the transformer's calls and its own on top: GMMs, MI bounds, masks
+        assert 0 < r["transformer_ops"] < r["dma_ops"] and r["ops_ratio"] == r["dma_ops"] / r["transformer_ops"]
+        assert sum(r["dma_top_ops"].values()) <= r["dma_ops"]
+    assert "kernel ops per training step" in proc.stdout

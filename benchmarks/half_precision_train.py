@@ -11,7 +11,8 @@ plus ``--fp16`` for ``--updates`` updates, logging every ``--log-interval``, and
 
     * fairseq-train exits 0 (fairseq raises once the loss scale falls below its minimum);
     * every logged training value (loss, nll, DMA's auxiliary losses, gnorm, ...) is finite;
-    * the mean nll of the last three logged intervals is below that of the first three.
+    * the mean nll of the last three logged intervals is below that of the first three;
+    * the run reached its last logged interval (updates skipped on overflow do not count).
 
 It also reports the overflows (fairseq's "gradient overflow detected" lines), the loss scale at
 the end and the training speed. Runs go ``--jobs`` at a time (all at once by default: the
@@ -100,7 +101,8 @@ def train_inner_rows(log_text: str) -> List[Dict[str, float]]:
     return rows
 
 
-def judge(name: str, code: int, log_text: str, seconds: float, updates: int) -> Dict:
+def judge(name: str, code: int, log_text: str, seconds: float, updates: int, log_interval: int) -> Dict:
+    """The checks of the module docstring on one run's log, its problems listed in words."""
     rows = train_inner_rows(log_text)
     result = {"model": name, "exit": code, "intervals": len(rows), "seconds": round(seconds, 1),
               "overflows": log_text.count(OVERFLOW), "problems": []}
@@ -116,8 +118,11 @@ def judge(name: str, code: int, log_text: str, seconds: float, updates: int) -> 
     last = statistics.mean(r["nll_loss"] for r in rows[-ENDS:])
     if not last < first:
         result["problems"].append(f"nll did not fall ({first:.3f} -> {last:.3f})")
+    reached = int(rows[-1].get("num_updates", 0))
+    if reached != updates - updates % log_interval:  # the last logged interval
+        result["problems"].append(f"stopped at update {reached} of {updates}")
     result.update(nll_first=round(first, 3), nll_last=round(last, 3),
-                  loss_scale=rows[-1].get("loss_scale"), updates=int(rows[-1].get("num_updates", 0)),
+                  loss_scale=rows[-1].get("loss_scale"), updates=reached,
                   ups=round(updates / seconds, 2), wps=round(statistics.mean(r["wps"] for r in rows[ENDS:]), 0))
     return result
 
@@ -131,7 +136,7 @@ def train(name: str, args, log) -> Dict:
         code = proc.wait()
     seconds = time.perf_counter() - start
     result = judge(name, code, (args.output_dir / f"{name}.log").read_text(encoding="utf-8"), seconds,
-                   args.updates)
+                   args.updates, args.log_interval)
     log(f"[{name}] {'ok' if not result['problems'] else '; '.join(result['problems'])} ({seconds:.0f} s)")
     return result
 

@@ -58,19 +58,22 @@ def train_inner(num_updates, nll, **extra):
 def test_judging_fails_non_finite_values_a_loss_that_does_not_fall_and_a_failed_exit():
     judge = load_script().judge
     falling = [train_inner(i, 10.0 - i) for i in range(1, 9)]
-    assert judge("m", 0, "\n".join(falling), 1.0, 8)["problems"] == []
+    assert judge("m", 0, "\n".join(falling), 1.0, 8, 1)["problems"] == []
+    assert judge("m", 0, "\n".join(falling), 1.0, 9, 2)["problems"] == []  # the last interval logged: 8
+
+    assert judge("m", 0, "\n".join(falling[:7]), 1.0, 8, 1)["problems"] == ["stopped at update 7 of 8"]
 
     nan = falling[:4] + [train_inner(5, 5.0, gnorm=float("nan"))] + falling[5:]
-    assert judge("m", 0, "\n".join(nan), 1.0, 8)["problems"] == ["non-finite gnorm"]
+    assert judge("m", 0, "\n".join(nan), 1.0, 8, 1)["problems"] == ["non-finite gnorm"]
 
     rising = [train_inner(i, 1.0 + i) for i in range(1, 9)]
-    assert judge("m", 0, "\n".join(rising), 1.0, 8)["problems"] == ["nll did not fall (3.000 -> 8.000)"]
+    assert judge("m", 0, "\n".join(rising), 1.0, 8, 1)["problems"] == ["nll did not fall (3.000 -> 8.000)"]
 
-    crashed = judge("m", 1, "\n".join(falling[:2]) + "\nFloatingPointError: Minimum loss scale reached", 1.0, 8)
+    crashed = judge("m", 1, "\n".join(falling[:2]) + "\nFloatingPointError: Minimum loss scale reached", 1.0, 8, 1)
     assert crashed["problems"] == ["fairseq-train exited with status 1", "only 2 training lines logged"]
 
     overflowing = "\n".join(falling[:4] + ["NOTE: gradient overflow detected, ignoring gradient"] + falling[4:])
-    assert judge("m", 0, overflowing, 1.0, 8)["overflows"] == 1
+    assert judge("m", 0, overflowing, 1.0, 8, 1)["overflows"] == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

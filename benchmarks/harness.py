@@ -100,6 +100,7 @@ from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
 from fairseq.tasks.translation import TranslationTask  # noqa: E402
 
 import fairseq_modattn  # noqa: E402  (registers the plugin's architectures and criteria)
+from provenance import code_record  # noqa: E402
 
 MB = float(2 ** 20)
 LIMIT_NOTE = []  # the --memory-limit-gb in force, for the tables' OOM notes
@@ -491,22 +492,11 @@ def prepare_run(cfg, argv, quick_overrides, quick_model_args):
 
 # ----------------------------------------------------------------------------- records
 def provenance():
-    """Git commit of the checkout and a hash of the plugin sources actually benchmarked."""
-    import hashlib
-    import subprocess
-
-    digest = hashlib.sha256()
-    for path in sorted((REPO / "fairseq_modattn").rglob("*.py")):
-        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
-    info = {"plugin_sources_sha256": digest.hexdigest()[:16], "plugin_file": fairseq_modattn.__file__}
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                            text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fairseq_modattn"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout
-        info["plugin_dirty"] = bool(dirty.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
+    """The checkout's commit and the plugin sources actually benchmarked (``provenance.py``)."""
+    record = code_record()
+    info = {"plugin_sources_sha256": record["plugin_sources_sha256"], "plugin_file": fairseq_modattn.__file__}
+    if record["git_commit"] is not None:
+        info.update(git_commit=record["git_commit"], plugin_dirty=record["plugin_dirty"])
     return info
 
 

@@ -39,7 +39,6 @@ import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ from fairseq_modattn.cli.model_recipes import FAMILY_BASELINES, RECIPES, TRAIN_F
 from fairseq_modattn.help_format import DefaultsHelpFormatter
 from fairseq_modattn.models.attention_types import ATTENTION_TYPES
 from learning_curve import curve_markdown, flat_point, plot_curves, validation_curve
+from provenance import code_record, git_commit
 
 #: the models that train slowest per update on a CPU, started first so that the last runs are short
 SLOW = ("dma", "dma_nc8", "rim_lstm")
@@ -143,7 +143,10 @@ def one_run(name: str, seed: int, args, log) -> Dict:
     label, run_dir = f"{name} seed {seed}", args.output_dir / name / f"seed{seed}"
     command = recipe.train_command(args.data.resolve(), run_dir / "checkpoints", seed=seed,
                                    max_update=family["max_update"], cpu=cpu, extra=family["extra"])
-    runs.train(runs.TrainingRun(label, run_dir, command), log)
+    run = runs.TrainingRun(label, run_dir, command)
+    if not run.done_marker.exists():
+        record_code(run_dir)
+    runs.train(run, log)
     evaluation = runs.evaluate(run_dir, label, str(args.data), subset=args.subset, beam=args.beam, cpu=cpu,
                                generate_args=shlex.split(args.generate_args), log=log)
     measured = runs.redundancy(run_dir, label, evaluation["model_path"], str(args.data), subset=args.subset,
@@ -154,7 +157,42 @@ def one_run(name: str, seed: int, args, log) -> Dict:
             "generate_output": evaluation["generate_output"],
             "parameters": measured["parameters"], "redundancy": {k: {"LR": v["LR"], "HR": v["HR"]}
                                                                  for k, v in measured["redundancy"].items()},
-            **stats, "command": command}
+            **stats, "command": command, "code": trained_with(run_dir)}
+
+
+#: one record per start of a run's training (a run can continue over several sessions)
+CODE_RECORDS = "code.json"
+
+
+def record_code(run_dir: Path) -> None:
+    """Append the code about to train in RUN_DIR (commit, plugin source hash) to its records."""
+    records = trained_with(run_dir)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(records + [{"started": when, **code_record()}], run_dir / CODE_RECORDS)
+
+
+def trained_with(run_dir: Path) -> List[Dict]:
+    """The code records of RUN_DIR's training starts ([] for runs trained before they were kept)."""
+    path = run_dir / CODE_RECORDS
+    return runs.json_load(path) if path.exists() else []
+
+
+def code_summary(results: List[Dict]) -> str:
+    """Which plugin sources trained the runs: one hash for all, or the runs of each."""
+    by_hash: Dict[str, List[str]] = {}
+    for r in results:
+        hashes = sorted({c["plugin_sources_sha256"] for c in r["code"]}) or ["not recorded"]
+        by_hash.setdefault(" + ".join(hashes), []).append(f"{r['model']} seed {r['seed']}")
+    commits = sorted({c["git_commit"][:7] for r in results for c in r["code"] if c.get("git_commit")})
+    dirty = any(c.get("plugin_dirty") for r in results for c in r["code"])
+    note = (f" (commits {', '.join(commits)}" + ("; with uncommitted plugin changes" if dirty else "") + ")"
+            if commits else "")
+    if len(by_hash) == 1:
+        return f"Every run trained with plugin sources {next(iter(by_hash))}{note}."
+    parts = [f"{h}: {', '.join(names)}" for h, names in by_hash.items()]
+    return (f"The runs trained with different plugin sources{note}, by hash of `fairseq_modattn/` "
+            f"(`benchmarks/provenance.py`; a run continued across code changes lists each): " + "; ".join(parts) + ".")
 
 
 def spread(values: List[float]) -> Dict:
@@ -243,14 +281,6 @@ def _has(dist: str) -> bool:
         return True
     except PackageNotFoundError:
         return False
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _mean_std(entry: Dict, digits: int = 2) -> str:
@@ -422,11 +452,12 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
     header = [
         "# Multi30k de-en: every method against its baseline",
         "",
-        f"Run {when}, commit {commit()}, {machine(args.device)}; {jobs} runs at a time, each on {threads} thread(s), so "
+        f"Run {when}, commit {git_commit(short=True) or 'unknown'}, {machine(args.device)}; {jobs} runs at a time, each on {threads} thread(s), so "
         f"tokens/s (fairseq's training wps, target tokens, mean over seeds) is measured with {jobs} runs sharing "
         f"the cores{' and the GPU' if args.device == 'cuda' else ''}. {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}) per model. The transformer family "
         f"trains for {args.max_update:,} updates, the LSTM family for {args.lstm_max_update:,} with {lstm_lr} "
-        f"(max-tokens 4096). The final model translates `{args.subset}` (beam {args.beam}).",
+        f"(max-tokens 4096). The final model translates `{args.subset}` (beam {args.beam}). "
+        + code_summary(results),
         "",
         "How to read it: sacreBLEU is detokenized BLEU (13a) against the detokenized references, mean ± "
         "sample standard deviation over seeds; tok. BLEU is fairseq's tokenized BLEU of the same translations. "

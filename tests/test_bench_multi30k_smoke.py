@@ -52,6 +52,12 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
         assert r["num_updates"] == (3 if lstm_family else 2) and r["wps"] > 0 and 0 <= r["sacrebleu"] <= 100
         assert r["command"][r["command"].index("--seed") + 1] == str(r["seed"])
         assert (r["command"][-3:-1] == ["--lr", "0.001"]) == lstm_family
+        # the code that trained the run: one record, for its one start
+        [code] = r["code"]
+        assert len(code["plugin_sources_sha256"]) == 16 and set(code) == {
+            "started", "git_commit", "plugin_dirty", "plugin_sources_sha256"}
+    hashes = {r["code"][0]["plugin_sources_sha256"] for r in results["runs"]}
+    assert len(hashes) == 1
     table = results["table"]
     assert set(table["transformer"]["redundancy"]) == {"enc_self", "dec_self", "enc_dec"}
     assert table["rim_lstm"]["redundancy"] == {}
@@ -73,6 +79,7 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     assert page.count("\n### The baselines' validation curves") == 1 and text.startswith("# Multi30k de-en: ")
     assert "| talking_heads | " in text and " vs transformer: **" in text and "| lstm | " in text
     assert "## The baselines' validation curves" in text  # the curve measured first is part of the report
+    assert f"Every run trained with plugin sources {hashes.pop()}" in text
     assert f"fairseq-train {multi30k_bin} --user-dir fairseq_modattn --save-dir {out}/transformer/seed1/" in text
 
     # a page without the report's markers is never overwritten
@@ -89,6 +96,7 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
                   "--lstm-max-update", "7", "--subset", "valid", "--bootstrap-samples", "20",
                   "--generate-args", "--max-len-b 5"])
     assert "[transformer seed 2] already trained" in output and "training:" not in output
+    assert len(json.loads((out / "transformer" / "seed2" / "code.json").read_text())) == 1  # reuse trains nothing
 
     # but a run is never continued (seed 1, stopped after its last checkpoint) nor reused (seed 2) under
     # another budget: the table would mix two budgets
@@ -117,3 +125,28 @@ def test_multi30k_benchmark_refuses_cuda_without_a_gpu(multi30k_bin, tmp_path):
                           capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
     assert proc.returncode == 2 and "--device cuda: torch sees no CUDA device here" in proc.stderr, proc.stderr
     assert not (tmp_path / "bench").exists()
+
+
+def test_report_names_the_code_of_every_run():
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("multi30k_bench", SCRIPT)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def code(h, commit="abcdef0123", dirty=False):
+        return {"started": "2026-11-26 04:00 UTC", "git_commit": commit, "plugin_dirty": dirty,
+                "plugin_sources_sha256": h}
+
+    same = [{"model": "dma", "seed": s, "code": [code("aaaa")]} for s in (1, 2)]
+    assert bench.code_summary(same) == "Every run trained with plugin sources aaaa (commits abcdef0)."
+    mixed = same[:1] + [{"model": "dma", "seed": 2, "code": [code("aaaa"), code("bbbb", "1234567890", True)]},
+                        {"model": "tim", "seed": 1, "code": []}]
+    text = bench.code_summary(mixed)
+    assert text.startswith("The runs trained with different plugin sources (commits 1234567, abcdef0; with "
+                           "uncommitted plugin changes)")
+    assert text.endswith("aaaa: dma seed 1; aaaa + bbbb: dma seed 2; not recorded: tim seed 1.")

@@ -29,6 +29,7 @@ import json
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -77,10 +78,43 @@ def run_together(commands, env, timeout=600):
     finally:
         for p in procs:
             p.kill()
-    failed = [f"process {i} exited {p.returncode}:\n{out[-4000:]}"
-              for i, (p, out) in enumerate(zip(procs, outputs)) if p.returncode != 0]
+    failed = [f"process {i} exited {p.returncode}:\n{out[-4000:]}" for i, (p, out) in enumerate(zip(procs, outputs))
+              if p.returncode != 0 and not aborted_in_teardown(i, procs, out)]
     assert not failed, f"{commands[0][:3]}\n" + "\n".join(failed)
     return outputs
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def aborted_in_teardown(index, procs, output):
+    """Whether process INDEX, a rank other than 0, died of the gloo teardown abort of compat.py's
+    fix 6 after its work was done. fairseq ends every rank with a barrier, so rank 0 exiting 0
+    means this rank had reached that barrier too: its training, records and checkpoints are
+    complete, and what the tests compare is there. The fix makes the abort rare (it destroys the
+    process group first), not impossible: it happened once in a CI run of 2026-11-26 (rank 1 of a
+    RIM job) and in none of 52 two-rank jobs run in a loop afterwards. It is reported, not hidden."""
+    if index == 0 or procs[0].returncode != 0 or procs[index].returncode not in (-6, 134):
+        return False
+    if TEARDOWN_ABORT not in output[-300:]:
+        return False
+    warnings.warn(f"rank {index} aborted in the gloo teardown after fairseq's closing barrier "
+                  f"({TEARDOWN_ABORT!r}; compat.py fix 6); its work is complete")
+    return True
+
+
+def test_only_a_late_teardown_abort_of_another_rank_is_tolerated():
+    class Finished:
+        def __init__(self, returncode):
+            self.returncode = returncode
+
+    late = "... training done\n" + TEARDOWN_ABORT + "\n"
+    with pytest.warns(UserWarning, match="aborted in the gloo teardown"):
+        assert aborted_in_teardown(1, [Finished(0), Finished(-6)], late)
+    assert not aborted_in_teardown(1, [Finished(1), Finished(-6)], late)  # rank 0 did not finish
+    assert not aborted_in_teardown(0, [Finished(-6), Finished(0)], late)  # rank 0 itself
+    assert not aborted_in_teardown(1, [Finished(0), Finished(1)], late)  # not an abort
+    assert not aborted_in_teardown(1, [Finished(0), Finished(-6)], "Segmentation fault\n")
 
 
 def gloo_ranks(data, save_dir, args, record_dir, world_size=2):

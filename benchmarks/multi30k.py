@@ -56,6 +56,7 @@ from fairseq_modattn.help_format import DefaultsHelpFormatter
 from fairseq_modattn.models.attention_types import ATTENTION_TYPES
 from learning_curve import curve_markdown, flat_point, plot_curves, validation_curve
 from provenance import code_record, git_commit
+from run_progress import DirectoryInUse, duration, exclusive_use, holder, run_state, seconds_per_update
 
 #: the models that train slowest per update on a CPU, started first so that the last runs are short
 SLOW = ("dma", "dma_nc8", "rim_lstm")
@@ -102,6 +103,9 @@ def parse_args(argv=None):
                         "level down; a page without them is refused, a missing one is created")
     p.add_argument("--results-json", type=Path, default=None,
                    help="also write the results JSON here (e.g. benchmarks/results/multi30k.json)")
+    p.add_argument("--status", action="store_true",
+                   help="print where the runs of this command stand and how long the rest will take at the "
+                        "speed measured so far, then exit; trains nothing (safe while the benchmark runs)")
     p.add_argument("--generate-args", default="", metavar="ARGS", help="extra fairseq-generate flags (tests)")
     p.add_argument("--train-args", default="", metavar="ARGS",
                    help="extra fairseq-train flags for every run, as one string (tests)")
@@ -112,6 +116,8 @@ def parse_args(argv=None):
     if min(budgets) < 1 or (args.jobs is not None and args.jobs < 1):
         p.error("--max-update, --lstm-max-update, --curve-updates, --beam, --bootstrap-samples and --jobs must "
                 "be positive")
+    if args.status and args.curve_updates:
+        p.error("--status reports on the comparison; the curve step prints its progress as it trains")
     if args.lstm_lr is not None and not args.lstm_lr > 0:
         p.error("--lstm-lr must be positive")
     if len(set(args.seeds)) != len(args.seeds) or len(set(args.models)) != len(args.models):
@@ -385,6 +391,52 @@ def curve_section(report: Dict, data) -> List[str]:
     return lines
 
 
+# ------------------------------------------------------------------ progress
+def run_order(args) -> List[tuple]:
+    """(model, seed) of every run, slowest models first so that the last runs to finish are short."""
+    return sorted(((m, s) for s in args.seeds for m in args.models), key=lambda ms: (ms[0] not in SLOW, ms[1]))
+
+
+def status(args, jobs: int) -> int:
+    """Print the state of every run of this command and an estimate of the time left."""
+    if not (args.output_dir / "settings.json").exists():
+        print(f"multi30k benchmark: error: {args.output_dir} holds no comparison yet (no settings.json)",
+              file=sys.stderr)
+        return 1
+    order, states = run_order(args), {}
+    for name, seed in order:
+        states[name, seed] = run_state(args.output_dir / name / f"seed{seed}", family_settings(name, args)["max_update"])
+    done = sum(s.state == "done" for s in states.values())
+    pid = holder(args.output_dir)
+    print(f"{args.output_dir}: {done} of {len(order)} runs done; "
+          + (f"a benchmark process (pid {pid}) is working on it" if pid else "no benchmark process is working on it"))
+    for (name, seed), state in states.items():
+        run_dir, line = args.output_dir / name / f"seed{seed}", f"  {name} seed {seed}: {state.state}"
+        if state.state == "done":
+            evaluation = runs.json_load(run_dir / "evaluation" / "results.json")
+            nll = runs.training_stats(run_dir / "train.log")["valid_nll_loss"]
+            line += f", sacreBLEU {evaluation['sacrebleu']:.2f}, valid nll {nll:.3f}"
+        elif state.state == "trained":
+            line += "; its translation or redundancy measurement is not finished"
+        elif state.state == "training":
+            line += f", update {state.updates:,} of {state.budget:,} in its train.log"
+        print(line)
+    rates = {name: seconds_per_update([*args.output_dir.glob(f"{name}/seed*/train.log"),
+                                       *args.output_dir.glob(f"curve/{name}/train.log")])
+             for name in args.models}
+    left = {name: sum(s.updates_left for (m, _), s in states.items() if m == name) for name in args.models}
+    unknown = [n for n in args.models if left[n] and rates[n] is None]
+    seconds = sum(left[n] * rates[n] for n in args.models if left[n] and rates[n] is not None)
+    if not any(left.values()):
+        print("No training left" + ("." if done == len(order) else "; rerun the command to finish the evaluations."))
+        return 0
+    speeds = ", ".join(f"{n} {rates[n]:.2f} s" for n in args.models if left[n] and rates[n] is not None)
+    print(f"Left: {sum(left.values()):,} updates; about {duration(seconds / jobs)} at {jobs} runs at a time"
+          + (f", at the seconds per update measured in this directory ({speeds})" if speeds else "")
+          + (f"; not counted: {', '.join(unknown)} (no speed measured yet)" if unknown else "") + ".")
+    return 0
+
+
 # ------------------------------------------------------------------ main
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -397,8 +449,21 @@ def main(argv=None) -> int:
 
     jobs = args.jobs or (os.cpu_count() or 1)
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    if args.status:
+        return status(args, jobs)
     runs.limit_threads(threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive_use(args.output_dir):
+            return benchmark(args, argv, log, jobs, threads)
+    except DirectoryInUse as e:
+        print(f"multi30k benchmark: error: {e}; rerun when it has stopped, or add --status to see where "
+              "it stands", file=sys.stderr)
+        return 2
+
+
+def benchmark(args, argv, log, jobs: int, threads: int) -> int:
+    """The curve or the comparison, with OUTPUT_DIR held by this process."""
     try:
         if args.curve_updates:
             report = measure_curve(args, log, jobs)
@@ -413,8 +478,7 @@ def main(argv=None) -> int:
                     "data_as_given": str(args.data),
                     "bootstrap_samples": args.bootstrap_samples}
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
-        # slowest models first, so that the last ones to finish are short
-        order = sorted(((m, s) for s in args.seeds for m in args.models), key=lambda ms: (ms[0] not in SLOW, ms[1]))
+        order = run_order(args)
         if len({RECIPES[m].family for m in args.models}) > 1:
             each = f"{args.max_update} updates (LSTM family {args.lstm_max_update})"
         else:

@@ -82,6 +82,14 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     assert f"Every run trained with plugin sources {hashes.pop()}" in text
     assert f"fairseq-train {multi30k_bin} --user-dir fairseq_modattn --save-dir {out}/transformer/seed1/" in text
 
+    # --status reads the same directory: every run done, with the scores the table has
+    output = run([*common, "--models", "transformer", "talking_heads", "rim_lstm", "lstm", "--seeds", "1", "2",
+                  "--max-update", "2", "--lstm-max-update", "3", "--status"])
+    assert output.startswith(f"{out}: 8 of 8 runs done; no benchmark process is working on it\n")
+    first = results["runs"][0]
+    assert f"  transformer seed 1: done, sacreBLEU {first['sacrebleu']:.2f}, valid nll {first['valid_nll_loss']:.3f}\n" \
+        in output and output.endswith("No training left.\n")
+
     # a page without the report's markers is never overwritten
     mine = tmp_path / "notes.md"
     mine.write_text("my notes\n")

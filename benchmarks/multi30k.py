@@ -538,10 +538,33 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
         "",
     ]
     text = "\n".join(header) + markdown(table, comparisons, settings, results)
-    curve = args.output_dir / "curve" / "curve.md"
-    if curve.exists():
-        text += "\n" + curve.read_text(encoding="utf-8")
-    return text
+    curve = curve_for_report(args)
+    return text + ("\n" + "\n".join(curve) + "\n" if curve else "")
+
+
+def curve_for_report(args) -> List[str]:
+    """The section of OUTPUT_DIR/curve with the curves of the baselines that trained as this
+    comparison's runs do (same flags, the family's learning rate included): a curve measured
+    under other settings chose no budget of this table, so it is named and left out."""
+    path = args.output_dir / "curve" / "curve.json"
+    if not path.exists():
+        return []
+    report = runs.json_load(path)
+    trained = report["settings"]
+    same_flags = trained["train_args"] == TRAIN_FLAGS + shlex.split(args.train_args)
+    kept, left_out = {}, []
+    for name, curve in report["curves"].items():
+        lstm = RECIPES[name].family == "lstm"  # the LSTM's curve also has the family's own flags
+        if same_flags and (not lstm or trained["lstm_train_args"] == family_settings(name, args)["extra"]):
+            kept[name] = curve
+        else:
+            left_out.append(name)
+    lines = curve_section({**report, "curves": kept}, args.data) if kept else []
+    if left_out:
+        lines.append(f"Not shown: the curve of {', '.join(left_out)} in {args.output_dir / 'curve'}, trained with "
+                     "other flags than this comparison's runs (e.g. another learning rate).")
+        lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

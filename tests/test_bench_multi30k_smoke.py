@@ -135,7 +135,7 @@ def test_multi30k_benchmark_refuses_cuda_without_a_gpu(multi30k_bin, tmp_path):
     assert not (tmp_path / "bench").exists()
 
 
-def test_report_names_the_code_of_every_run():
+def load_benchmark():
     import importlib.util
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -145,6 +145,11 @@ def test_report_names_the_code_of_every_run():
         spec.loader.exec_module(bench)
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    return bench
+
+
+def test_report_names_the_code_of_every_run():
+    bench = load_benchmark()
 
     def code(h, commit="abcdef0123", dirty=False):
         return {"started": "2026-11-26 04:00 UTC", "git_commit": commit, "plugin_dirty": dirty,
@@ -158,3 +163,31 @@ def test_report_names_the_code_of_every_run():
     assert text.startswith("The runs trained with different plugin sources (commits 1234567, abcdef0; with "
                            "uncommitted plugin changes)")
     assert text.endswith("aaaa: dma seed 1; aaaa + bbbb: dma seed 2; not recorded: tim seed 1.")
+
+
+def test_report_shows_only_the_curves_trained_as_its_runs(tmp_path):
+    """A curve measured with other flags (here: the LSTM at the shared learning rate, the
+    comparison's LSTM family at 5e-3) chose no budget of the table and is left out, by name."""
+    from fairseq_modattn.cli.model_recipes import TRAIN_FLAGS
+
+    bench = load_benchmark()
+    data, out = tmp_path / "data-bin", tmp_path / "bench"
+    data.mkdir()
+    (data / "dict.de.txt").write_text("")
+    (out / "curve").mkdir(parents=True)
+    curve = {"points": [[123, 3.5], [246, 3.0]], "flat_at": None, "command": ["fairseq-train", "DATA"]}
+    (out / "curve" / "curve.json").write_text(json.dumps({
+        "settings": {"train_args": TRAIN_FLAGS, "lstm_train_args": []}, "window": 1000, "gain": 0.02,
+        "curves": {"transformer": curve, "lstm": curve}}))
+
+    def section(*flags):
+        return "\n".join(bench.curve_for_report(bench.parse_args(["--data", str(data), "--output-dir", str(out),
+                                                                   *flags])))
+
+    both = section()
+    assert "- transformer: best 3.000" in both and "- lstm: best 3.000" in both and "Not shown" not in both
+    faster_lstm = section("--lstm-lr", "5e-3")
+    assert "- transformer: best 3.000" in faster_lstm and "- lstm:" not in faster_lstm
+    assert f"Not shown: the curve of lstm in {out / 'curve'}, trained with other flags" in faster_lstm
+    other = section("--train-args", "--max-tokens 1000")
+    assert "## " not in other and "Not shown: the curve of transformer, lstm" in other

@@ -214,7 +214,7 @@ def aggregate(results: List[Dict], models: List[str]) -> Dict[str, Dict]:
                  "updates": rows[0]["num_updates"], "bleu": spread([r["bleu"] for r in rows]),
                  "sacrebleu": spread([r["sacrebleu"] for r in rows]),
                  "valid_nll_loss": spread([r["valid_nll_loss"] for r in rows]),
-                 "wps": spread([r["wps"] for r in rows]), "redundancy": {}}
+                 "wps": spread([r["wps_median"] for r in rows]), "redundancy": {}}
         for attention in rows[0]["redundancy"]:
             entry["redundancy"][attention] = {k: statistics.fmean(r["redundancy"][attention][k] for r in rows)
                                               for k in ("LR", "HR")}
@@ -517,7 +517,8 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
         "# Multi30k de-en: every method against its baseline",
         "",
         f"Run {when}, commit {git_commit(short=True) or 'unknown'}, {machine(args.device)}; {jobs} runs at a time, each on {threads} thread(s), so "
-        f"tokens/s (fairseq's training wps, target tokens, mean over seeds) is measured with {jobs} runs sharing "
+        f"tokens/s (fairseq's training wps in target tokens: each run's median over its epochs, so that "
+        f"epochs slowed by other work on the machine do not count; mean over seeds) is measured with {jobs} runs sharing "
         f"the cores{' and the GPU' if args.device == 'cuda' else ''}. {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}) per model. The transformer family "
         f"trains for {args.max_update:,} updates, the LSTM family for {args.lstm_max_update:,} with {lstm_lr} "
         f"(max-tokens 4096). The final model translates `{args.subset}` (beam {args.beam}). "

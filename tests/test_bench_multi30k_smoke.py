@@ -50,6 +50,7 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     for r in results["runs"]:
         lstm_family = r["model"] in ("rim_lstm", "lstm")
         assert r["num_updates"] == (3 if lstm_family else 2) and r["wps"] > 0 and 0 <= r["sacrebleu"] <= 100
+        assert r["wps_median"] == r["wps"]  # one epoch record (a budget under one epoch)
         assert r["command"][r["command"].index("--seed") + 1] == str(r["seed"])
         assert (r["command"][-3:-1] == ["--lr", "0.001"]) == lstm_family
         # the code that trained the run: one record, for its one start

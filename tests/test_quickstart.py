@@ -112,5 +112,44 @@ def test_training_stats_weights_each_epoch_by_its_training_time(tmp_path):
     stats = training_stats(log)
     assert stats["num_updates"] == 300 and stats["train_wall"] == 212 + 81
     assert abs(stats["wps"] - (2016.1 * 212 + 2008.3 * 81) / 293) < 1e-6
+    assert stats["wps_median"] == (2016.1 + 2008.3) / 2
     assert stats["valid_nll_loss"] == 4.566 and stats["valid_loss"] == 5.114
     assert training_stats(tmp_path / "missing.log")["wps"] is None
+
+
+def test_training_stats_median_leaves_out_epochs_slowed_by_other_work(tmp_path):
+    from fairseq_modattn.cli.runs import training_stats
+
+    def epoch(n, wps, wall):
+        return (f"2026-11-26 07:0{n}:00 | INFO | train | epoch 00{n} | loss 5 | nll_loss 4 | wps {wps} | ups 0.6 | "
+                f"num_updates {100 * n} | train_wall {wall} | wall {300 * n}\n")
+
+    log = tmp_path / "train.log"
+    log.write_text(epoch(1, 2400.0, 150) + epoch(2, 1000.0, 360) + epoch(3, 2300.0, 156))  # epoch 2 shared the CPU
+    stats = training_stats(log)
+    assert stats["wps_median"] == 2300.0 and stats["wps"] < 1800
+
+
+def test_train_log_holds_each_progress_line_when_it_is_shown(tmp_path):
+    """train.log is line-buffered: a reader following it (tail -f, multi30k.py --status) sees
+    every record as soon as the progress line is shown, not a block later."""
+    import sys
+
+    from fairseq_modattn.cli import runs
+
+    lines = [f"2026-11-26 07:00:0{i} | INFO | train_inner | epoch 001:  {i} / 9 loss=5.0, num_updates={i}"
+             for i in range(1, 4)]
+    printer = "import sys\nfor line in sys.argv[1:]:\n    print(line, flush=True)\n"
+    run = runs.TrainingRun("fake", tmp_path / "run", [sys.executable, "-c", printer, *lines])
+    seen = []
+
+    def log(message):
+        path = tmp_path / "run" / "train.log"
+        seen.append((message, path.read_text(encoding="utf-8") if path.exists() else ""))
+
+    runs.train(run, log)
+    progress = [(m, text) for m, text in seen if m.startswith("[fake] train_inner")]
+    assert len(progress) == 3
+    for line, (message, text) in zip(lines, progress):
+        assert message.endswith(line.split(" | INFO | ", 1)[1]) and text.endswith(line + "\n")
+    assert (tmp_path / "run" / "train.done").exists()

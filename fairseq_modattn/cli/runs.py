@@ -18,6 +18,7 @@ and an interrupted ``fairseq-train`` continues from its ``checkpoint_last.pt``.
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -73,7 +74,9 @@ def train(run: TrainingRun, log: Log) -> None:
     log(f"[{run.label}] {'continuing' if resuming else 'training'}: {shlex.join(run.command)}")
     run.run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomically({"command": run.command}, run.command_record)
-    with open(run.run_dir / "train.log", "a", encoding="utf-8") as out, child_processes.running(
+    # line-buffered: whoever follows train.log (tail -f, multi30k.py --status) sees each record
+    # as fairseq prints it, not blocks of 8 KiB hundreds of updates late
+    with open(run.run_dir / "train.log", "a", encoding="utf-8", buffering=1) as out, child_processes.running(
             run.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             out.write(line)
@@ -223,9 +226,11 @@ _EPOCH_STATS = re.compile(r"\| INFO \| train \| epoch (\d+) \|(.*)$")
 def training_stats(train_log: Path) -> Dict:
     """From fairseq-train's log: the training speed in target tokens per second (fairseq's
     per-epoch ``wps``, averaged with each epoch's training time as weight, so that a short last
-    epoch counts for what it is), the training time in seconds (sum of the epochs'
-    ``train_wall``), the number of updates, and the last validation loss and nll."""
-    stats = {"wps": None, "train_wall": None, "num_updates": None, "valid_loss": None, "valid_nll_loss": None}
+    epoch counts for what it is), its median over the epochs (``wps_median``: a few epochs
+    slowed by other work on the machine do not move it), the training time in seconds (sum of
+    the epochs' ``train_wall``), the number of updates, and the last validation loss and nll."""
+    stats = {"wps": None, "wps_median": None, "train_wall": None, "num_updates": None, "valid_loss": None,
+             "valid_nll_loss": None}
     wps, walls = {}, {}
     text = Path(train_log).read_text(encoding="utf-8") if Path(train_log).exists() else ""
     for line in text.splitlines():
@@ -244,4 +249,5 @@ def training_stats(train_log: Path) -> Dict:
         total = sum(walls.values())
         stats["wps"] = (sum(wps[e] * walls[e] for e in wps) / total) if total > 0 else sum(wps.values()) / len(wps)
         stats["train_wall"] = total
+        stats["wps_median"] = statistics.median(wps.values())
     return stats

@@ -192,13 +192,18 @@ def code_summary(results: List[Dict]) -> str:
         by_hash.setdefault(" + ".join(hashes), []).append(f"{r['model']} seed {r['seed']}")
     commits = sorted({c["git_commit"][:7] for r in results for c in r["code"] if c.get("git_commit")})
     dirty = any(c.get("plugin_dirty") for r in results for c in r["code"])
-    note = (f" (commits {', '.join(commits)}" + ("; with uncommitted plugin changes" if dirty else "") + ")"
+    label = "commit" if len(commits) == 1 else "commits"
+    note = (f" ({label} {', '.join(commits)}" + ("; with uncommitted plugin changes" if dirty else "") + ")"
             if commits else "")
     if len(by_hash) == 1:
         return f"Every run trained with plugin sources {next(iter(by_hash))}{note}."
     parts = [f"{h}: {', '.join(names)}" for h, names in by_hash.items()]
     return (f"The runs trained with different plugin sources{note}, by hash of `fairseq_modattn/` "
             f"(`benchmarks/provenance.py`; a run continued across code changes lists each): " + "; ".join(parts) + ".")
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def spread(values: List[float]) -> Dict:
@@ -516,10 +521,10 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
     header = [
         "# Multi30k de-en: every method against its baseline",
         "",
-        f"Run {when}, commit {git_commit(short=True) or 'unknown'}, {machine(args.device)}; {jobs} runs at a time, each on {threads} thread(s), so "
+        f"Run {when}, commit {git_commit(short=True) or 'unknown'}, {machine(args.device)}; {plural(jobs, 'run')} at a time, each on {plural(threads, 'thread')}, so "
         f"tokens/s (fairseq's training wps in target tokens: each run's median over its epochs, so that "
-        f"epochs slowed by other work on the machine do not count; mean over seeds) is measured with {jobs} runs sharing "
-        f"the cores{' and the GPU' if args.device == 'cuda' else ''}. {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}) per model. The transformer family "
+        f"epochs slowed by other work on the machine do not count; mean over seeds) is measured with {plural(jobs, 'run')} sharing "
+        f"the cores{' and the GPU' if args.device == 'cuda' else ''}. {plural(len(args.seeds), 'seed')} ({', '.join(map(str, args.seeds))}) per model. The transformer family "
         f"trains for {args.max_update:,} updates, the LSTM family for {args.lstm_max_update:,} with {lstm_lr} "
         f"(max-tokens 4096). The final model translates `{args.subset}` (beam {args.beam}). "
         + code_summary(results),

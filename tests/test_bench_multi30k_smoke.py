@@ -8,6 +8,7 @@ on demand; docs/results.md holds its output.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -81,6 +82,9 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     assert "| talking_heads | " in text and " vs transformer: **" in text and "| lstm | " in text
     assert "## The baselines' validation curves" in text  # the curve measured first is part of the report
     assert f"Every run trained with plugin sources {hashes.pop()}" in text
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    each = "1 thread" if threads == 1 else f"{threads} threads"
+    assert f"; 2 runs at a time, each on {each}, so " in text and " 2 seeds (1, 2) per model." in text
     assert f"fairseq-train {multi30k_bin} --user-dir fairseq_modattn --save-dir {out}/transformer/seed1/" in text
 
     # --status reads the same directory: every run done, with the scores the table has
@@ -157,7 +161,7 @@ def test_report_names_the_code_of_every_run():
                 "plugin_sources_sha256": h}
 
     same = [{"model": "dma", "seed": s, "code": [code("aaaa")]} for s in (1, 2)]
-    assert bench.code_summary(same) == "Every run trained with plugin sources aaaa (commits abcdef0)."
+    assert bench.code_summary(same) == "Every run trained with plugin sources aaaa (commit abcdef0)."
     mixed = same[:1] + [{"model": "dma", "seed": 2, "code": [code("aaaa"), code("bbbb", "1234567890", True)]},
                         {"model": "tim", "seed": 1, "code": []}]
     text = bench.code_summary(mixed)

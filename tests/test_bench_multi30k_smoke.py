@@ -196,3 +196,19 @@ def test_report_shows_only_the_curves_trained_as_its_runs(tmp_path):
     assert f"Not shown: the curve of lstm in {out / 'curve'}, trained with other flags" in faster_lstm
     other = section("--train-args", "--max-tokens 1000")
     assert "## " not in other and "Not shown: the curve of transformer, lstm" in other
+
+
+def test_runs_start_longest_first(tmp_path):
+    """Slow models first, then the family with the larger budget, then by seed: started last, a
+    4,000-update LSTM run would have kept one core busy alone long after the others ended."""
+    bench = load_benchmark()
+    (tmp_path / "dict.de.txt").write_text("")
+    args = bench.parse_args(["--data", str(tmp_path), "--output-dir", str(tmp_path / "bench"), "--max-update", "3000",
+                             "--lstm-max-update", "4000", "--seeds", "1", "2",
+                             "--models", "transformer", "lstm", "dma", "rim_lstm", "tim"])
+    order = bench.run_order(args)
+    assert order[:4] == [("rim_lstm", 1), ("rim_lstm", 2), ("dma", 1), ("dma", 2)]
+    assert order[4:] == [("lstm", 1), ("lstm", 2), ("transformer", 1), ("tim", 1), ("transformer", 2), ("tim", 2)]
+    args.lstm_max_update = 2000
+    assert bench.run_order(args)[4:] == [("transformer", 1), ("tim", 1), ("transformer", 2), ("tim", 2),
+                                         ("lstm", 1), ("lstm", 2)]

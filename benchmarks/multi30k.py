@@ -185,7 +185,8 @@ def trained_with(run_dir: Path) -> List[Dict]:
 
 
 def code_summary(results: List[Dict]) -> str:
-    """Which plugin sources trained the runs: one hash for all, or the runs of each."""
+    """Which plugin sources trained the runs: one hash for all, or the runs of each; runs trained
+    before code records were kept are named apart (their code is unknown, not different)."""
     by_hash: Dict[str, List[str]] = {}
     for r in results:
         hashes = sorted({c["plugin_sources_sha256"] for c in r["code"]}) or ["not recorded"]
@@ -195,11 +196,17 @@ def code_summary(results: List[Dict]) -> str:
     label = "commit" if len(commits) == 1 else "commits"
     note = (f" ({label} {', '.join(commits)}" + ("; with uncommitted plugin changes" if dirty else "") + ")"
             if commits else "")
+    unrecorded = by_hash.pop("not recorded", [])
+    if not by_hash:
+        return "No run recorded its code (all trained before code records were kept)."
+    missing = f"; not recorded (trained before code records were kept): {', '.join(unrecorded)}" if unrecorded else ""
     if len(by_hash) == 1:
-        return f"Every run trained with plugin sources {next(iter(by_hash))}{note}."
+        who = "Every run with a code record" if unrecorded else "Every run"
+        return f"{who} trained with plugin sources {next(iter(by_hash))}{note}{missing}."
     parts = [f"{h}: {', '.join(names)}" for h, names in by_hash.items()]
     return (f"The runs trained with different plugin sources{note}, by hash of `fairseq_modattn/` "
-            f"(`benchmarks/provenance.py`; a run continued across code changes lists each): " + "; ".join(parts) + ".")
+            f"(`benchmarks/provenance.py`; a run continued across code changes lists each): " + "; ".join(parts)
+            + missing + ".")
 
 
 def plural(count: int, noun: str) -> str:

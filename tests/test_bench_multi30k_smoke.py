@@ -167,7 +167,13 @@ def test_report_names_the_code_of_every_run():
     text = bench.code_summary(mixed)
     assert text.startswith("The runs trained with different plugin sources (commits 1234567, abcdef0; with "
                            "uncommitted plugin changes)")
-    assert text.endswith("aaaa: dma seed 1; aaaa + bbbb: dma seed 2; not recorded: tim seed 1.")
+    assert text.endswith("aaaa: dma seed 1; aaaa + bbbb: dma seed 2; not recorded (trained before code records "
+                         "were kept): tim seed 1.")
+    # one known code beside runs from before records were kept is not "different plugin sources"
+    older = same + [{"model": "tim", "seed": 1, "code": []}]
+    assert bench.code_summary(older) == ("Every run with a code record trained with plugin sources aaaa (commit "
+                                         "abcdef0); not recorded (trained before code records were kept): tim seed 1.")
+    assert bench.code_summary(older[2:]) == "No run recorded its code (all trained before code records were kept)."
 
 
 def test_report_shows_only_the_curves_trained_as_its_runs(tmp_path):

@@ -188,15 +188,18 @@ def code_summary(results: List[Dict]) -> str:
     """Which plugin sources trained the runs: one hash for all, or the runs of each; runs trained
     before code records were kept are named apart (their code is unknown, not different)."""
     by_hash: Dict[str, List[str]] = {}
+    unrecorded: List[str] = []
     for r in results:
-        hashes = sorted({c["plugin_sources_sha256"] for c in r["code"]}) or ["not recorded"]
-        by_hash.setdefault(" + ".join(hashes), []).append(f"{r['model']} seed {r['seed']}")
+        name = f"{r['model']} seed {r['seed']}"
+        if not r["code"]:
+            unrecorded.append(name)
+            continue
+        by_hash.setdefault(" + ".join(sorted({c["plugin_sources_sha256"] for c in r["code"]})), []).append(name)
     commits = sorted({c["git_commit"][:7] for r in results for c in r["code"] if c.get("git_commit")})
     dirty = any(c.get("plugin_dirty") for r in results for c in r["code"])
     label = "commit" if len(commits) == 1 else "commits"
     note = (f" ({label} {', '.join(commits)}" + ("; with uncommitted plugin changes" if dirty else "") + ")"
             if commits else "")
-    unrecorded = by_hash.pop("not recorded", [])
     if not by_hash:
         return "No run recorded its code (all trained before code records were kept)."
     missing = f"; not recorded (trained before code records were kept): {', '.join(unrecorded)}" if unrecorded else ""
@@ -405,10 +408,9 @@ def curve_section(report: Dict, data) -> List[str]:
 
 # ------------------------------------------------------------------ progress
 def run_order(args) -> List[tuple]:
-    """(model, seed) of every run, longest first so that the last runs to finish are short: the
-    models slowest per update, then the family with the larger budget (the LSTM family's runs
-    took 4,000 updates against the transformer family's 3,000, and the one started last was the
-    session's last half hour with a core idle), then by seed."""
+    """(model, seed) of every run, longest first so that the last runs to finish are short and no
+    core idles long at the end: the models slowest per update, then the family with the larger
+    budget, then by seed."""
     def longest_first(ms):
         return ms[0] not in SLOW, -family_settings(ms[0], args)["max_update"], ms[1]
 

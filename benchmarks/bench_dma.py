@@ -92,7 +92,6 @@ from harness import (
     per_length,
     prepare_run,
     ratio_cell,
-    runs_kernel,
     results_header,
     sync,
     synthetic_dictionary,
@@ -103,6 +102,7 @@ from harness import (
     write_json,
     zero_grad,
 )
+from kernel_calls import runs_kernel
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "bench_dma.json"
 

@@ -46,14 +46,13 @@ Peak memory (MB = 2**20 bytes)
     out of memory, and the scripts then give that model no time at that length and go on.
 
 Kernel launches
-    ``kernel_op_counts`` counts the operator calls of one training step: the ATen ops called
-    from Python or by the autograd engine (not the ops they call in turn, which differ from
-    one device's implementation to another's), less those that only make views, read metadata
-    or return their input as it is (``NO_KERNEL_OPS``, unless they copied). On a GPU each call
-    launches at least one kernel, and a step made of many small calls runs at the speed of
-    those launches (several microseconds each), not at the speed of its arithmetic. The calls
-    are the same on every device, so a CPU, where arithmetic dominates and the launches do not
-    show, still measures this GPU cost.
+    ``kernel_op_counts`` counts the kernel launches of one training step with
+    ``kernel_calls.count_kernel_calls`` (whose docstring gives the rule: the ATen ops called
+    from Python or by the autograd engine that run a kernel, and every compiled kernel). On a
+    GPU each call launches at least one kernel, and a step made of many small calls runs at the
+    speed of those launches (several microseconds each), not at the speed of its arithmetic.
+    The calls are the same on every device, so a CPU, where arithmetic dominates and the
+    launches do not show, still measures this GPU cost.
 
 Generation
     ``time_generation`` translates the same synthetic, left-padded sources with
@@ -100,6 +99,7 @@ from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
 from fairseq.tasks.translation import TranslationTask  # noqa: E402
 
 import fairseq_modattn  # noqa: E402  (registers the plugin's architectures and criteria)
+from kernel_calls import count_kernel_calls  # noqa: E402
 from provenance import code_record  # noqa: E402
 
 MB = float(2 ** 20)
@@ -220,49 +220,11 @@ def interleaved_step_times(entries, sample, device, warmup: int, repeats: int, s
     return times
 
 
-#: ATen ops that make views, read metadata or may return their input as it is: they run no
-#: kernel unless they copy (a copying ``to``, ``reshape`` or ``contiguous`` calls an op that works)
-NO_KERNEL_OPS = frozenset(f"aten::{op}" for op in (
-    "view", "reshape", "_reshape_alias", "_unsafe_view", "view_as", "as_strided", "t", "transpose",
-    "permute", "expand", "expand_as", "select", "slice", "narrow", "unsqueeze", "squeeze", "flatten",
-    "unflatten", "split", "split_with_sizes", "chunk", "unbind", "alias", "detach", "lift_fresh",
-    "resolve_conj", "resolve_neg", "contiguous", "to", "_to_copy", "type_as", "empty", "empty_like",
-    "empty_strided", "result_type", "promote_types", "size", "stride", "is_nonzero", "item",
-    "_local_scalar_dense", "numpy_T", "broadcast_tensors", "_has_compatible_shallow_copy_type",
-))
-
-
-def runs_kernel(node) -> bool:
-    """Whether an op node (or an op it calls) runs a kernel."""
-    from torch._C._profiler import _EventType
-
-    return node.name not in NO_KERNEL_OPS or any(c.tag == _EventType.TorchOp and runs_kernel(c) for c in node.children)
-
-
-def kernel_calls(nodes):
-    """The operator calls under NODES of the profiler's event tree that run kernels (module
-    docstring, "Kernel launches"), each as its node."""
-    from torch._C._profiler import _EventType
-
-    for node in nodes:
-        if node.tag == _EventType.TorchOp and node.name.startswith("aten::"):
-            if runs_kernel(node):
-                yield node
-            continue  # what an op calls in turn is its own implementation
-        yield from kernel_calls(node.children)
-
-
 def kernel_op_counts(entry, sample) -> Dict[str, int]:
     """{ATen op: calls} of the kernel-running operator calls of one training step."""
-    from torch.profiler import ProfilerActivity, profile
-
     zero_grad(entry["model"])
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_step(entry, sample)
+    counts = count_kernel_calls(lambda: train_step(entry, sample))
     zero_grad(entry["model"])
-    counts = {}
-    for node in kernel_calls(prof.profiler.kineto_results.experimental_event_tree()):
-        counts[node.name] = counts.get(node.name, 0) + 1
     return counts
 
 

@@ -66,7 +66,7 @@ import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, sys.argv[1])
-from harness import kernel_calls
+from kernel_calls import kernel_calls
 
 x = torch.ones(4, 4)  # made before profiling
 with profile(activities=[ProfilerActivity.CPU]) as prof:

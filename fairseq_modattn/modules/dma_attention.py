@@ -69,7 +69,7 @@ from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
 from .gmm import DiagonalGMM
-from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
+from .interpolated_attention import interpolated_masked_attention, log_mask
 from .mi_bounds import (
     DIV_FORMS,
     QQ_FORMS,
@@ -88,6 +88,13 @@ ATTENTION_IMPLS = ("auto", "fused", "sdpa")
 SAMPLE_INPUTS = ("gmm", "attention")
 #: what the query GMM clusters: q ("raw", the paper) or q / sqrt(d) ("scaled", the authors' code)
 QUERY_GMM_INPUTS = ("raw", "scaled")
+
+
+def posteriors(state: Dict[str, Tensor]) -> Tensor:
+    """P = p(c | z) of a token state: the GMM's own output where the state comes from this
+    forward, exp(log P) where it comes from the incremental cache (which keeps log P only)."""
+    post = state.get("post")
+    return post if post is not None else state["log_p"].exp()
 
 
 def annealing_rate(num_updates: int, alpha: float, rate: float) -> float:
@@ -226,6 +233,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             noise=None if noise is None else heads(noise),
         )
         state["log_p"] = stats.log_post
+        state["post"] = stats.post
         if stats.kl is not None:
             state["kl"] = stats.kl
         return state
@@ -253,7 +261,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         if gamma == 0.0:  # A^ = A: plain attention
             return super().attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
         if need_weights:
-            log_m = log_semantic_mask(q_state["log_p"], k_state["log_p"])
+            log_m = log_mask(posteriors(q_state), posteriors(k_state))
             logits = self.attention_logits(q, k, mask)
             weights = (1.0 - gamma) * self.explicit_softmax(logits) + gamma * self.explicit_softmax(logits + log_m)
             return self.weighted_values(weights, v), weights
@@ -262,9 +270,9 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         if self.uses_fused_kernel(q):
             out = interpolated_masked_attention(q, k, v, q_state["log_p"], k_state["log_p"], mask, gamma, p)
             return out, None
-        bias = log_semantic_mask(q_state["log_p"], k_state["log_p"]).to(q.dtype)
+        bias = log_mask(posteriors(q_state), posteriors(k_state)).to(q.dtype)
         if mask is not None:
-            bias = bias + mask
+            bias = bias.add_(mask)
         masked = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
         if gamma == 1.0:
             return masked, None
@@ -304,8 +312,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         queries = self.query_gmm(
             q, self.noise_var, sample=query_noise is not None, need_kl=True, noise=query_noise
         )
-        query_post = queries.log_post.exp()
-        token_post = q_state["log_p"].exp()
+        query_post = queries.post
+        token_post = posteriors(q_state)
         # training: one sampled negative per query (unbiased, no (B, H, H, T, T) table);
         # evaluation: the exact mean over all tokens, so validation is deterministic
         negatives = None
@@ -316,7 +324,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         div = diversity_penalty(token_post, query_valid, self.div_form, per_sentence)
         if not self.self_attention:  # the key side is a second set of tokens for the token GMM
             key_kl = masked_token_mean(k_state["kl"], key_valid, per_sentence)
-            key_div = diversity_penalty(k_state["log_p"].exp(), key_valid, self.div_form, per_sentence)
+            key_div = diversity_penalty(posteriors(k_state), key_valid, self.div_form, per_sentence)
             # per sentence: the authors' sum of both sides; batch means: their average
             both = 1.0 if per_sentence else 0.5
             kl, div = both * (kl + key_kl), both * (div + key_div)

@@ -34,7 +34,6 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from fairseq.modules import GradMultiply
 from torch import Tensor
 
 from .precision import at_least_fp32
@@ -62,11 +61,13 @@ class GMMStatistics(NamedTuple):
     log_joint: log pi_c + log N(z_i; mu_c, sigma_c^2), shape (..., G, N, C)
     log_post:  log p(c | z_i) (log-softmax of log_joint over c), shape (..., G, N, C)
     kl:        VaDE KL per point (None unless requested), shape (..., G, N)
+    post:      p(c | z_i) = exp(log_post), shape (..., G, N, C)
     """
 
     log_joint: Tensor
     log_post: Tensor
     kl: Optional[Tensor]
+    post: Optional[Tensor] = None
 
 
 def group_major_points(x: Tensor, num_groups: int) -> Tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -97,96 +98,129 @@ def group_major_points(x: Tensor, num_groups: int) -> Tuple[Tensor, Callable[[Te
     return flat, restore
 
 
-class _MahalanobisDistances(torch.autograd.Function):
-    """D_c(x + s eps) and D_c(x) for (G, M, d) points; backward saves only x and eps.
+class _MixtureStatistics(torch.autograd.Function):
+    """log p(z, c), log p(c | z), p(c | z) and the VaDE KL of (G, M, d) points in one call.
 
-    Autograd through the matmul expansion would keep x*x and the noisy point (two more
-    (M, d) tensors per GMM) for backward; here both are rebuilt there, from
+    Forward, with z = x + s eps (z = x without sampling), sigma^-2 = exp(-log sigma^2) and
+    log N_c = log pi_c - (sum_d log sigma_cd^2 + d log 2 pi) / 2 - sum_d mu_cd^2 / (2 sigma_cd^2):
 
-        dD_c/dz = 2 (z - mu_c) / sigma_c^2,
-        dD_c/d(1/sigma_c^2) = (z - mu_c)^2 = z^2 - 2 mu_c z + mu_c^2,
-        dD_c/dmu_c = -2 (z - mu_c) / sigma_c^2,
+        J_ic  = log p(z_i, c) = log N_c - (z_i*z_i) @ sigma_c^-2 / 2 + z_i @ (mu_c sigma_c^-2)
+        LP_ic = J_ic - logsumexp_c J_ic,       P = exp(LP),
+        KL_i  = sum_c P_ic T_ic - d (1 + log s^2) / 2,
+        T_ic  = (sum_d log sigma_cd^2 + s^2 sum_d sigma_cd^-2 + D_c(x_i)) / 2 - log pi_c + LP_ic,
 
-    summed over points with matmuls (no (M, C, d) tensor).
+    D_c(x) = sum_d (x_d - mu_cd)^2 / sigma_cd^2 at the mean x (VaDE). Every distance is a
+    matmul of the points with the (C, d) parameters, so no (M, C, d) tensor exists.
+
+    Backward (``_backward``), with G^J, G^LP, G^P, G^KL the incoming gradients:
+
+        G^LP' = G^LP + G^P P + G^KL P (T + 1)             (P = exp(LP); T enters KL with P)
+        G^J'  = G^J + G^LP' - P rowsum_c(G^LP')            (log-softmax)
+        dD(z) = -G^J' / 2,   dD(x) = G^KL P / 2,
+        dz    = 2 (dD sigma^-2) * z - 2 dD (mu sigma^-2)   (each distance at its own point)
+        dmu_c = -2 sigma_c^-2 sum_i dD_ic (z_i - mu_c),    d sigma_c^-2 = sum_i dD_ic (z_i - mu_c)^2
+        d log sigma^2 = -sigma^-2 (d sigma^-2) + column sums for the log-determinant and trace,
+        d logits = softmax backward of d log pi,
+
+    summed over both points by matmuls. The backward saves x, eps and T (C values a point) and
+    rebuilds z, z*z and x*x; the mean's gradient is multiplied by c_grad here (fairseq's
+    ``GradMultiply``, folded in to save its two calls).
     """
 
     @staticmethod
-    def forward(ctx, x, noise, noise_scale, means, inv_var):
-        # returns D(x + s * eps) and, when noise is given, also D(x)
-        scaled_means = means * inv_var  # (G, C, d)
-        const = (means * scaled_means).sum(-1).unsqueeze(-2)  # (G, 1, C)
-        ctx.noise_scale = noise_scale
-        ctx.save_for_backward(x, noise, means, inv_var)
-        if noise is None:
-            return _expanded_distance(x, inv_var, scaled_means, const)
-        point = torch.add(x, noise, alpha=noise_scale)
-        square = torch.empty_like(point)  # z * z of both points, one buffer (fresh ones page-fault)
-        return (
-            _expanded_distance(point, inv_var, scaled_means, const, square),
-            _expanded_distance(x, inv_var, scaled_means, const, square),
-        )
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # fp32 like the forward, also when backward is called inside an autocast region
-        with torch.autocast(device_type=grads[0].device.type, enabled=False):
-            return _MahalanobisDistances._backward(ctx, *grads)
-
-    @staticmethod
-    def _backward(ctx, *grads):
-        x, noise, means, inv_var = ctx.saved_tensors
-        grad_point = grads[0]
-        grad_mean = grads[1] if len(grads) > 1 else None
-        terms = [(grad_point, x if noise is None else torch.add(x, noise, alpha=ctx.noise_scale))]
-        if grad_mean is not None:
-            terms.append((grad_mean, x))
+    def forward(ctx, x, noise, logits, means, log_vars, noise_scale, need_kl, grad_mult):
+        # unused outputs give None gradients instead of zero tensors (each one a launch)
+        ctx.set_materialize_grads(False)
+        dim = x.size(-1)
+        log_2pi = 0.5 * dim * math.log(2.0 * math.pi)
+        inv_var = torch.exp(torch.neg(log_vars))  # (G, C, d)
         scaled_means = means * inv_var
-        grad_x = grad_means = grad_inv_var = None
-        if ctx.needs_input_grad[0]:
-            # sum over terms of 2 g (z - mu) / sigma^2; the two points differ only by s * eps,
-            # so this reads x once and eps once.
-            total = grad_point if grad_mean is None else grad_point + grad_mean
-            grad_x = torch.bmm(total, 2.0 * inv_var).mul_(x)
-            grad_x.baddbmm_(total, scaled_means, alpha=-2.0)
+        log_pi = torch.log_softmax(logits, dim=-1).unsqueeze(-2)  # (G, 1, C)
+        # sum_d log sigma^2 + sum_d mu^2 / sigma^2, (G, 1, C)
+        spread = torch.add(log_vars.sum(-1), (means * scaled_means).sum(-1)).unsqueeze(-2)
+        # log N'_c = log N_c + d log(2 pi) / 2 (the constant is subtracted once, from J)
+        log_norm = torch.add(log_pi, spread, alpha=-0.5)
+        point = x if noise is None else torch.add(x, noise, alpha=noise_scale)
+        log_joint = torch.baddbmm(log_norm, point * point, inv_var.transpose(1, 2), alpha=-0.5)
+        log_joint.baddbmm_(point, scaled_means.transpose(1, 2)).sub_(log_2pi)
+        log_post = log_softmax_over_clusters(log_joint)
+        post = log_post.exp()
+        kl = terms = None
+        if need_kl:
+            # T = -(log N'_c - s^2 tr_c / 2) + D'(x) / 2 + LP, with log N' = log N + d log(2 pi) / 2
+            # and D' = D - const (the 2 pi terms cancel in the KL)
+            trace = inv_var.sum(-1).unsqueeze(-2)
+            offset = torch.add(log_norm, trace, alpha=-0.5 * noise_scale**2)
+            terms = torch.baddbmm(offset, x * x, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5)
+            terms.baddbmm_(x, scaled_means.transpose(1, 2), alpha=-1.0).add_(log_post)
+            kl = (post * terms).sum(-1).sub_(0.5 * dim * (1.0 + math.log(noise_scale**2)))
+        ctx.noise_scale, ctx.grad_mult, ctx.device_type = noise_scale, grad_mult, x.device.type
+        ctx.save_for_backward(x, noise, logits, means, log_vars, post, terms)
+        return log_joint, log_post, post, kl
+
+    @staticmethod
+    def backward(ctx, grad_joint, grad_log_post, grad_post, grad_kl):
+        # fp32 like the forward, also when backward is called inside an autocast region
+        with torch.autocast(device_type=ctx.device_type, enabled=False):
+            return _MixtureStatistics._backward(ctx, grad_joint, grad_log_post, grad_post, grad_kl)
+
+    @staticmethod
+    def _backward(ctx, grad_joint, grad_log_post, grad_post, grad_kl):
+        x, noise, logits, means, log_vars, post, terms = ctx.saved_tensors
+        s = ctx.noise_scale
+        needs = ctx.needs_input_grad
+        # G^LP' (module docstring); any incoming gradient may be None (an unused output)
+        grad_lp = grad_log_post
+        if grad_post is not None:
+            grad_lp = post * grad_post if grad_lp is None else torch.addcmul(grad_lp, post, grad_post)
+        weighted_kl = None  # G^KL P, (G, M, C)
+        if grad_kl is not None and terms is not None:
+            weighted_kl = post * grad_kl.unsqueeze(-1)
+            grad_lp = torch.addcmul(weighted_kl if grad_lp is None else grad_lp + weighted_kl, weighted_kl, terms)
+        if grad_lp is None:
+            grad_j = grad_joint if grad_joint is not None else torch.zeros_like(post)
+        else:
+            grad_j = grad_lp - post * grad_lp.sum(-1, keepdim=True)
+            if grad_joint is not None:
+                grad_j.add_(grad_joint)
+        inv_var = torch.exp(torch.neg(log_vars))
+        scaled_means = means * inv_var
+        # the distances' gradients, doubled: 2 dD(z) = -G^J', 2 dD(x) = G^KL P; their sum over both
+        # points (z and x differ by s eps) is ``both``
+        both = grad_j.neg() if weighted_kl is None else weighted_kl - grad_j
+        grad_x = grad_logits = grad_means = grad_log_vars = None
+        if needs[0]:
+            grad_x = torch.bmm(both, inv_var).mul_(x).baddbmm_(both, scaled_means, alpha=-1.0)
             if noise is not None:
-                grad_x.add_(torch.bmm(grad_point, (2.0 * ctx.noise_scale) * inv_var).mul_(noise))
-        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            weight_sum = sum(g.sum(1) for g, _ in terms).unsqueeze(-1)  # (G, C, 1)
-            first = sum(torch.bmm(g.transpose(1, 2), z) for g, z in terms)  # sum_i g_ic z_i
-            centred = first - means * weight_sum  # sum_i g_ic (z_i - mu_c)
-            if ctx.needs_input_grad[3]:
-                grad_means = -2.0 * inv_var * centred
-            if ctx.needs_input_grad[4]:
-                square = torch.empty_like(x)
-                # sum_i g_ic z_i^2
-                second = sum(torch.bmm(g.transpose(1, 2), torch.mul(z, z, out=square)) for g, z in terms)
-                grad_inv_var = second - 2.0 * means * first + means * means * weight_sum
-        return grad_x, None, None, grad_means, grad_inv_var
-
-
-def _expanded_distance(
-    z: Tensor, inv_var: Tensor, scaled_means: Tensor, const: Tensor, square: Optional[Tensor] = None
-) -> Tensor:
-    """sum_d (z_d - mu_cd)^2 / sigma_cd^2 = (z*z) @ (1/sigma^2) - 2 z @ (mu/sigma^2) + const;
-    ``square``, optional, receives z*z."""
-    square = z * z if square is None else torch.mul(z, z, out=square)
-    dist = torch.bmm(square, inv_var.transpose(1, 2))
-    dist.baddbmm_(z, scaled_means.transpose(1, 2), alpha=-2.0).add_(const)
-    # The expansion can go a few ulps below zero where z sits on a centre.
-    return dist.clamp_min_(0.0)
-
-
-def mahalanobis_distances(
-    x: Tensor, noise: Optional[Tensor], noise_scale: float, means: Tensor, inv_var: Tensor
-) -> Tuple[Tensor, Tensor]:
-    """(D(x + noise_scale * noise), D(x)) for points x (G, M, d), each (G, M, C).
-
-    With ``noise`` None (no sampling) both are the same tensor D(x).
-    """
-    if noise is None:
-        dist = _MahalanobisDistances.apply(x, None, noise_scale, means, inv_var)
-        return dist, dist
-    return _MahalanobisDistances.apply(x, noise, noise_scale, means, inv_var)
+                grad_x.addcmul_(torch.bmm(grad_j, inv_var), noise, value=-s)
+        column_j = grad_j.sum(1)  # (G, C)
+        column_kl = weighted_kl.sum(1) if weighted_kl is not None else None
+        if needs[2]:
+            grad_log_pi = column_j if column_kl is None else column_j - column_kl
+            grad_logits = grad_log_pi - torch.softmax(logits, -1) * grad_log_pi.sum(-1, keepdim=True)
+        if needs[3] or needs[4]:
+            # sum_i 2 dD_ic z_i over both points, and sum_i 2 dD_ic
+            first = torch.bmm(both.transpose(1, 2), x)
+            if noise is not None:
+                first.baddbmm_(grad_j.transpose(1, 2), noise, alpha=-s)
+            weight = both.sum(1).unsqueeze(-1)  # (G, C, 1)
+            if needs[3]:
+                # dmu = -2 sigma^-2 sum_i dD (z_i - mu) = -sigma^-2 (first - mu weight)
+                grad_means = torch.addcmul(first, means, weight, value=-1.0).mul_(inv_var).mul_(-ctx.grad_mult)
+            if needs[4]:
+                # 2 d sigma^-2 = sum_i 2 dD (z_i - mu)^2 = second - 2 mu first + mu^2 weight
+                point = x if noise is None else torch.add(x, noise, alpha=s)
+                second = torch.bmm(grad_j.transpose(1, 2), point * point).neg_()
+                if weighted_kl is not None:
+                    second.baddbmm_(weighted_kl.transpose(1, 2), x * x)
+                second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight)
+                # log_det: -J/2 + T/2 per point; trace: s^2 T/2, i.e. column sums of G^J' and G^KL P
+                det = column_j.neg() if column_kl is None else column_kl - column_j
+                second = second.mul_(0.5)
+                if column_kl is not None:
+                    second.add_(column_kl.unsqueeze(-1), alpha=0.5 * s * s)
+                grad_log_vars = torch.addcmul((0.5 * det).unsqueeze(-1), second, inv_var, value=-1.0)
+        return grad_x, None, grad_logits, grad_means, grad_log_vars, None, None, None
 
 
 class DiagonalGMM(nn.Module):
@@ -240,11 +274,6 @@ class DiagonalGMM(nn.Module):
             nn.init.zeros_(self.log_vars)
             nn.init.zeros_(self.logits)
 
-    def _effective_means(self) -> Tensor:
-        if self.centroid_grad_mult != 1.0 and self.means.requires_grad and torch.is_grad_enabled():
-            return GradMultiply.apply(self.means, self.centroid_grad_mult)
-        return self.means
-
     def forward(
         self,
         x: Tensor,
@@ -267,13 +296,6 @@ class DiagonalGMM(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             dtype = at_least_fp32(x, self.means)
             points, restore = group_major_points(x.to(dtype), self.num_groups)
-            means = self._effective_means().to(dtype)
-            log_vars = self.log_vars.to(dtype)
-            inv_var = torch.exp(-log_vars)
-            log_pi = torch.log_softmax(self.logits.to(dtype), dim=-1).unsqueeze(-2)  # (G, 1, C)
-            log_det = log_vars.sum(-1).unsqueeze(-2)  # (G, 1, C)
-            log_norm = log_pi - 0.5 * (log_det + self.dim * math.log(2.0 * math.pi))
-
             if not sample:
                 noise = None
             elif noise is not None:
@@ -283,22 +305,17 @@ class DiagonalGMM(nn.Module):
                 noise = group_major_points(noise, self.num_groups)[0]
             elif noise_var > 0.0:
                 noise = torch.randn(points.shape, dtype=dtype, device=points.device)
-            if noise is not None and not need_kl:  # the distance at the mean is not needed
-                points, noise = torch.add(points, noise, alpha=math.sqrt(noise_var)), None
-            dist, mean_dist = mahalanobis_distances(points, noise, math.sqrt(noise_var), means, inv_var)
-            log_joint = log_norm - 0.5 * dist
-            log_post = log_softmax_over_clusters(log_joint)
-
-            kl = None
-            if need_kl:
-                trace = inv_var.sum(-1).unsqueeze(-2)  # (G, 1, C)
-                expected_nll = 0.5 * (log_det + noise_var * trace + mean_dist)
-                kl = (log_post.exp() * (expected_nll - log_pi + log_post)).sum(-1)
-                kl = restore(kl.unsqueeze(-1)).squeeze(-1) - 0.5 * self.dim * (1.0 + math.log(noise_var))
-        # (B, H, N, C) in one block: the posteriors are small (C values per point), and every
-        # consumer multiplies them by matrices, which needs them laid out batch by batch (torch's
-        # bmm copies each matrix separately otherwise)
-        return GMMStatistics(restore(log_joint).contiguous(), restore(log_post).contiguous(), kl)
+            grad_mult = self.centroid_grad_mult if torch.is_grad_enabled() else 1.0
+            log_joint, log_post, post, kl = _MixtureStatistics.apply(
+                points, noise, self.logits.to(dtype), self.means.to(dtype), self.log_vars.to(dtype),
+                math.sqrt(noise_var), need_kl, grad_mult,
+            )
+            if kl is not None:
+                kl = restore(kl.unsqueeze(-1)).squeeze(-1)
+        # P as (B, H, N, C) in one block: every consumer multiplies it by matrices, which needs it
+        # laid out batch by batch (torch's bmm copies each matrix separately otherwise). The log
+        # posterior and the joint stay views (one copy each saved) of the group-major results.
+        return GMMStatistics(restore(log_joint), restore(log_post), kl, restore(post).contiguous())
 
     def extra_repr(self) -> str:
         return (

@@ -82,7 +82,7 @@ def _forward_block(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype
     """A^ V for one block of sentences; fills ``keep`` (the dropout mask) when given."""
     logits = _logits(q, k, mask, scale, dtype)
     # two T x S tables in all: A~ is built in M's buffer, A and then A^ in the logits'
-    masked = _softmax_(_log_mask(post_q, post_k).add_(logits))
+    masked = _softmax_(log_mask(post_q, post_k).add_(logits))
     mixed = _softmax_(logits).lerp_(masked, gamma)
     del masked
     if keep is not None:
@@ -147,7 +147,7 @@ def log_semantic_mask(log_pq: Tensor, log_pk: Tensor) -> Tensor:
     """
     with torch.autocast(device_type=log_pq.device.type, enabled=False):
         dtype = at_least_fp32(log_pq, log_pk)
-        return _log_mask(log_pq.to(dtype).exp(), log_pk.to(dtype).exp())
+        return log_mask(log_pq.to(dtype).exp(), log_pk.to(dtype).exp())
 
 
 def _logits(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float, dtype: torch.dtype) -> Tensor:
@@ -156,10 +156,12 @@ def _logits(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float, dtype: t
     return logits if mask is None else logits.add_(mask)
 
 
-def _log_mask(post_q: Tensor, post_k: Tensor) -> Tensor:
-    """log M = log P^q (P^k)^T, clamped at log(tiny) as in ``log_semantic_mask``."""
-    inner = torch.matmul(post_q, post_k.transpose(-1, -2))
-    return inner.clamp_min_(torch.finfo(inner.dtype).tiny).log_()
+def log_mask(post_q: Tensor, post_k: Tensor) -> Tensor:
+    """log M = log P^q (P^k)^T from the posteriors themselves (at least fp32 inputs), clamped
+    at log(tiny) as in ``log_semantic_mask``."""
+    with torch.autocast(device_type=post_q.device.type, enabled=False):
+        inner = torch.matmul(post_q, post_k.transpose(-1, -2))
+        return inner.clamp_min_(torch.finfo(inner.dtype).tiny).log_()
 
 
 def _softmax_(x: Tensor) -> Tensor:

@@ -91,8 +91,8 @@ QUERY_GMM_INPUTS = ("raw", "scaled")
 
 
 def posteriors(state: Dict[str, Tensor]) -> Tensor:
-    """P = p(c | z) of a token state: the GMM's own output where the state comes from this
-    forward, exp(log P) where it comes from the incremental cache (which keeps log P only)."""
+    """P = p(c | z) of a token state: the GMM's own output, or exp(log P) where the state holds
+    only log P (the fused path's; ``token_state``)."""
     post = state.get("post")
     return post if post is not None else state["log_p"].exp()
 
@@ -121,7 +121,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         gmm_init: "xavier" (the authors') or "spread", see ``gmm.DiagonalGMM.reset_parameters``.
     """
 
-    cached_state_names = ("log_p",)
+    cached_state_names = ("log_p", "post")
 
     def __init__(
         self,
@@ -232,8 +232,13 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             need_kl=self.collect_aux,
             noise=None if noise is None else heads(noise),
         )
-        state["log_p"] = stats.log_post
-        state["post"] = stats.post
+        # What ``attend`` reads: log P on the fused path, P on the SDPA path and in the
+        # regularisers. Each entry left out is a copy saved where the beams of a decoding step are
+        # folded into one sentence's rows, and the incremental cache keeps exactly these entries.
+        if self.uses_fused_kernel(x):
+            state["log_p"] = stats.log_post
+        if self.collect_aux or not self.uses_fused_kernel(x):
+            state["post"] = stats.post
         if stats.kl is not None:
             state["kl"] = stats.kl
         return state
@@ -263,7 +268,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         if need_weights:
             log_m = log_mask(posteriors(q_state), posteriors(k_state))
             logits = self.attention_logits(q, k, mask)
-            weights = (1.0 - gamma) * self.explicit_softmax(logits) + gamma * self.explicit_softmax(logits + log_m)
+            weights = torch.lerp(self.explicit_softmax(logits), self.explicit_softmax(logits + log_m), gamma)
             return self.weighted_values(weights, v), weights
 
         p = self.dropout if self.training else 0.0

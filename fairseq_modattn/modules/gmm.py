@@ -98,6 +98,47 @@ def group_major_points(x: Tensor, num_groups: int) -> Tuple[Tensor, Callable[[Te
     return flat, restore
 
 
+def mixture_constants(logits: Tensor, means: Tensor, log_vars: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The per-cluster tensors of ``mixture_statistics``, from the parameters (G, C[, d]):
+    sigma^-2 and mu sigma^-2 (G, C, d); log N'_c = log pi_c - (sum_d log sigma_cd^2 +
+    sum_d mu_cd^2 / sigma_cd^2) / 2 and log N'_c - d log(2 pi) / 2, each (G, 1, C)."""
+    inv_var = torch.exp(torch.neg(log_vars))
+    scaled_means = means * inv_var
+    log_pi = torch.log_softmax(logits, dim=-1).unsqueeze(-2)
+    spread = torch.add(log_vars.sum(-1), (means * scaled_means).sum(-1)).unsqueeze(-2)
+    log_norm = torch.add(log_pi, spread, alpha=-0.5)
+    return inv_var, scaled_means, log_norm, log_norm - 0.5 * means.size(-1) * math.log(2.0 * math.pi)
+
+
+def mixture_statistics(
+    x: Tensor,
+    noise: Optional[Tensor],
+    noise_scale: float,
+    need_kl: bool,
+    inv_var: Tensor,
+    scaled_means: Tensor,
+    log_norm: Tensor,
+    joint_bias: Tensor,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """J, LP, P, KL and T of ``_MixtureStatistics`` (whose docstring gives the equations) for
+    (G, M, d) points, from ``mixture_constants``; no autograd of its own."""
+    point = x if noise is None else torch.add(x, noise, alpha=noise_scale)
+    log_joint = torch.baddbmm(joint_bias, point * point, inv_var.transpose(1, 2), alpha=-0.5)
+    log_joint.baddbmm_(point, scaled_means.transpose(1, 2))
+    log_post = log_softmax_over_clusters(log_joint)
+    post = log_post.exp()
+    kl = terms = None
+    if need_kl:
+        # T = -(log N'_c - s^2 tr_c / 2) + D'(x) / 2 + LP, with D' = D - sum_d mu^2 / sigma^2
+        # (the 2 pi terms cancel in the KL)
+        trace = inv_var.sum(-1).unsqueeze(-2)
+        offset = torch.add(log_norm, trace, alpha=-0.5 * noise_scale**2)
+        terms = torch.baddbmm(offset, x * x, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5)
+        terms.baddbmm_(x, scaled_means.transpose(1, 2), alpha=-1.0).add_(log_post)
+        kl = (post * terms).sum(-1).sub_(0.5 * x.size(-1) * (1.0 + math.log(noise_scale**2)))
+    return log_joint, log_post, post, kl, terms
+
+
 class _MixtureStatistics(torch.autograd.Function):
     """log p(z, c), log p(c | z), p(c | z) and the VaDE KL of (G, M, d) points in one call.
 
@@ -131,29 +172,8 @@ class _MixtureStatistics(torch.autograd.Function):
     def forward(ctx, x, noise, logits, means, log_vars, noise_scale, need_kl, grad_mult):
         # unused outputs give None gradients instead of zero tensors (each one a launch)
         ctx.set_materialize_grads(False)
-        dim = x.size(-1)
-        log_2pi = 0.5 * dim * math.log(2.0 * math.pi)
-        inv_var = torch.exp(torch.neg(log_vars))  # (G, C, d)
-        scaled_means = means * inv_var
-        log_pi = torch.log_softmax(logits, dim=-1).unsqueeze(-2)  # (G, 1, C)
-        # sum_d log sigma^2 + sum_d mu^2 / sigma^2, (G, 1, C)
-        spread = torch.add(log_vars.sum(-1), (means * scaled_means).sum(-1)).unsqueeze(-2)
-        # log N'_c = log N_c + d log(2 pi) / 2 (the constant is subtracted once, from J)
-        log_norm = torch.add(log_pi, spread, alpha=-0.5)
-        point = x if noise is None else torch.add(x, noise, alpha=noise_scale)
-        log_joint = torch.baddbmm(log_norm, point * point, inv_var.transpose(1, 2), alpha=-0.5)
-        log_joint.baddbmm_(point, scaled_means.transpose(1, 2)).sub_(log_2pi)
-        log_post = log_softmax_over_clusters(log_joint)
-        post = log_post.exp()
-        kl = terms = None
-        if need_kl:
-            # T = -(log N'_c - s^2 tr_c / 2) + D'(x) / 2 + LP, with log N' = log N + d log(2 pi) / 2
-            # and D' = D - const (the 2 pi terms cancel in the KL)
-            trace = inv_var.sum(-1).unsqueeze(-2)
-            offset = torch.add(log_norm, trace, alpha=-0.5 * noise_scale**2)
-            terms = torch.baddbmm(offset, x * x, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5)
-            terms.baddbmm_(x, scaled_means.transpose(1, 2), alpha=-1.0).add_(log_post)
-            kl = (post * terms).sum(-1).sub_(0.5 * dim * (1.0 + math.log(noise_scale**2)))
+        constants = mixture_constants(logits, means, log_vars)
+        log_joint, log_post, post, kl, terms = mixture_statistics(x, noise, noise_scale, need_kl, *constants)
         ctx.noise_scale, ctx.grad_mult, ctx.device_type = noise_scale, grad_mult, x.device.type
         ctx.save_for_backward(x, noise, logits, means, log_vars, post, terms)
         return log_joint, log_post, post, kl
@@ -305,17 +325,34 @@ class DiagonalGMM(nn.Module):
                 noise = group_major_points(noise, self.num_groups)[0]
             elif noise_var > 0.0:
                 noise = torch.randn(points.shape, dtype=dtype, device=points.device)
-            grad_mult = self.centroid_grad_mult if torch.is_grad_enabled() else 1.0
-            log_joint, log_post, post, kl = _MixtureStatistics.apply(
-                points, noise, self.logits.to(dtype), self.means.to(dtype), self.log_vars.to(dtype),
-                math.sqrt(noise_var), need_kl, grad_mult,
-            )
+            params = (self.logits.to(dtype), self.means.to(dtype), self.log_vars.to(dtype))
+            if torch.is_grad_enabled() and (points.requires_grad or any(p.requires_grad for p in params)):
+                log_joint, log_post, post, kl = _MixtureStatistics.apply(
+                    points, noise, *params, math.sqrt(noise_var), need_kl, self.centroid_grad_mult
+                )
+            else:
+                log_joint, log_post, post, kl, _ = mixture_statistics(
+                    points, noise, math.sqrt(noise_var), need_kl, *self._frozen_constants(params)
+                )
             if kl is not None:
                 kl = restore(kl.unsqueeze(-1)).squeeze(-1)
         # P as (B, H, N, C) in one block: every consumer multiplies it by matrices, which needs it
         # laid out batch by batch (torch's bmm copies each matrix separately otherwise). The log
         # posterior and the joint stay views (one copy each saved) of the group-major results.
         return GMMStatistics(restore(log_joint), restore(log_post), kl, restore(post).contiguous())
+
+    def _frozen_constants(self, params: Tuple[Tensor, Tensor, Tensor]) -> Tuple[Tensor, ...]:
+        """``mixture_constants`` without autograd, kept while the parameters are unchanged:
+        a decoding step then clusters its query with the few launches of the points alone.
+        Keyed on the parameters' storage and version counters (an optimizer step, a checkpoint
+        load or a ``.to()`` changes one of them)."""
+        own = (self.logits, self.means, self.log_vars)  # not ``params``: a dtype copy is new each call
+        key = tuple((p.data_ptr(), p._version, p.device) for p in own) + (params[0].dtype,)
+        if getattr(self, "_constants_key", None) != key:
+            with torch.no_grad():
+                self._constants = mixture_constants(*params)
+            self._constants_key = key
+        return self._constants
 
     def extra_repr(self) -> str:
         return (

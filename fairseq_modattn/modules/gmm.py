@@ -40,6 +40,7 @@ from .precision import at_least_fp32
 
 #: "xavier" (the DMA authors' initialisation) or "spread" (N(0, 1) centres, unit variances)
 GMM_INITS = ("xavier", "spread")
+LOG_2PI = math.log(2.0 * math.pi)
 
 
 def log_softmax_over_clusters(log_joint: Tensor) -> Tensor:
@@ -98,16 +99,14 @@ def group_major_points(x: Tensor, num_groups: int) -> Tuple[Tensor, Callable[[Te
     return flat, restore
 
 
-def mixture_constants(logits: Tensor, means: Tensor, log_vars: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def mixture_constants(logits: Tensor, means: Tensor, log_vars: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The per-cluster tensors of ``mixture_statistics``, from the parameters (G, C[, d]):
-    sigma^-2 and mu sigma^-2 (G, C, d); log N'_c = log pi_c - (sum_d log sigma_cd^2 +
-    sum_d mu_cd^2 / sigma_cd^2) / 2 and log N'_c - d log(2 pi) / 2, each (G, 1, C)."""
+    sigma^-2 and mu sigma^-2 (G, C, d), and log N_c (G, 1, C) (``_MixtureStatistics``)."""
     inv_var = torch.exp(torch.neg(log_vars))
     scaled_means = means * inv_var
     log_pi = torch.log_softmax(logits, dim=-1).unsqueeze(-2)
-    spread = torch.add(log_vars.sum(-1), (means * scaled_means).sum(-1)).unsqueeze(-2)
-    log_norm = torch.add(log_pi, spread, alpha=-0.5)
-    return inv_var, scaled_means, log_norm, log_norm - 0.5 * means.size(-1) * math.log(2.0 * math.pi)
+    spread = torch.add(log_vars.sum(-1), (means * scaled_means).sum(-1)).add_(means.size(-1) * LOG_2PI)
+    return inv_var, scaled_means, torch.add(log_pi, spread.unsqueeze(-2), alpha=-0.5)
 
 
 def mixture_statistics(
@@ -118,24 +117,24 @@ def mixture_statistics(
     inv_var: Tensor,
     scaled_means: Tensor,
     log_norm: Tensor,
-    joint_bias: Tensor,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """J, LP, P, KL and T of ``_MixtureStatistics`` (whose docstring gives the equations) for
-    (G, M, d) points, from ``mixture_constants``; no autograd of its own."""
+    """J, LP, P, KL and T + d log(2 pi) / 2 of ``_MixtureStatistics`` (whose docstring gives the
+    equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own."""
     point = x if noise is None else torch.add(x, noise, alpha=noise_scale)
-    log_joint = torch.baddbmm(joint_bias, point * point, inv_var.transpose(1, 2), alpha=-0.5)
+    log_joint = torch.baddbmm(log_norm, point * point, inv_var.transpose(1, 2), alpha=-0.5)
     log_joint.baddbmm_(point, scaled_means.transpose(1, 2))
     log_post = log_softmax_over_clusters(log_joint)
     post = log_post.exp()
     kl = terms = None
     if need_kl:
-        # T = -(log N'_c - s^2 tr_c / 2) + D'(x) / 2 + LP, with D' = D - sum_d mu^2 / sigma^2
-        # (the 2 pi terms cancel in the KL)
+        # T + d log(2 pi) / 2 = -(log N_c - s^2 tr_c / 2) + D'(x) / 2 + LP, D' = D - sum_d mu^2 / sigma^2;
+        # the constant leaves the KL once, as sum_c P = 1
         trace = inv_var.sum(-1).unsqueeze(-2)
         offset = torch.add(log_norm, trace, alpha=-0.5 * noise_scale**2)
         terms = torch.baddbmm(offset, x * x, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5)
         terms.baddbmm_(x, scaled_means.transpose(1, 2), alpha=-1.0).add_(log_post)
-        kl = (post * terms).sum(-1).sub_(0.5 * x.size(-1) * (1.0 + math.log(noise_scale**2)))
+        dim = x.size(-1)
+        kl = (post * terms).sum(-1).sub_(0.5 * dim * (LOG_2PI + 1.0 + math.log(noise_scale**2)))
     return log_joint, log_post, post, kl, terms
 
 
@@ -172,10 +171,12 @@ class _MixtureStatistics(torch.autograd.Function):
     def forward(ctx, x, noise, logits, means, log_vars, noise_scale, need_kl, grad_mult):
         # unused outputs give None gradients instead of zero tensors (each one a launch)
         ctx.set_materialize_grads(False)
-        constants = mixture_constants(logits, means, log_vars)
-        log_joint, log_post, post, kl, terms = mixture_statistics(x, noise, noise_scale, need_kl, *constants)
+        inv_var, scaled_means, log_norm = mixture_constants(logits, means, log_vars)
+        log_joint, log_post, post, kl, terms = mixture_statistics(
+            x, noise, noise_scale, need_kl, inv_var, scaled_means, log_norm
+        )
         ctx.noise_scale, ctx.grad_mult, ctx.device_type = noise_scale, grad_mult, x.device.type
-        ctx.save_for_backward(x, noise, logits, means, log_vars, post, terms)
+        ctx.save_for_backward(x, noise, logits, means, inv_var, scaled_means, post, terms)
         return log_joint, log_post, post, kl
 
     @staticmethod
@@ -186,60 +187,65 @@ class _MixtureStatistics(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_joint, grad_log_post, grad_post, grad_kl):
-        x, noise, logits, means, log_vars, post, terms = ctx.saved_tensors
+        x, noise, logits, means, inv_var, scaled_means, post, terms = ctx.saved_tensors
         s = ctx.noise_scale
         needs = ctx.needs_input_grad
-        # G^LP' (module docstring); any incoming gradient may be None (an unused output)
-        grad_lp = grad_log_post
-        if grad_post is not None:
-            grad_lp = post * grad_post if grad_lp is None else torch.addcmul(grad_lp, post, grad_post)
+        dim = x.size(-1)
+        # G^LP' = G^LP + P (G^P + G^KL (T + 1)); ``terms`` is T + d log(2 pi) / 2. Any incoming
+        # gradient may be None (an output that reached no loss).
         weighted_kl = None  # G^KL P, (G, M, C)
+        grad_lp = None
         if grad_kl is not None and terms is not None:
-            weighted_kl = post * grad_kl.unsqueeze(-1)
-            grad_lp = torch.addcmul(weighted_kl if grad_lp is None else grad_lp + weighted_kl, weighted_kl, terms)
+            grad_kl = grad_kl.unsqueeze(-1)
+            weighted_kl = post * grad_kl
+            shifted = grad_kl * (1.0 - 0.5 * dim * LOG_2PI) if grad_post is None else torch.add(
+                grad_post, grad_kl, alpha=1.0 - 0.5 * dim * LOG_2PI
+            )
+            grad_lp = torch.addcmul(shifted, grad_kl, terms).mul_(post)
+        elif grad_post is not None:
+            grad_lp = post * grad_post
+        if grad_log_post is not None:
+            grad_lp = grad_log_post if grad_lp is None else grad_lp.add_(grad_log_post)
+        # G^J' (log-softmax backward)
         if grad_lp is None:
             grad_j = grad_joint if grad_joint is not None else torch.zeros_like(post)
         else:
-            grad_j = grad_lp - post * grad_lp.sum(-1, keepdim=True)
+            grad_j = torch.addcmul(grad_lp, post, grad_lp.sum(-1, keepdim=True), value=-1.0)
             if grad_joint is not None:
                 grad_j.add_(grad_joint)
-        inv_var = torch.exp(torch.neg(log_vars))
-        scaled_means = means * inv_var
-        # the distances' gradients, doubled: 2 dD(z) = -G^J', 2 dD(x) = G^KL P; their sum over both
-        # points (z and x differ by s eps) is ``both``
+        # 2 dD(z) = -G^J' and 2 dD(x) = G^KL P; ``both`` sums them over the two points
         both = grad_j.neg() if weighted_kl is None else weighted_kl - grad_j
+        point = x if noise is None else torch.add(x, noise, alpha=s)
         grad_x = grad_logits = grad_means = grad_log_vars = None
         if needs[0]:
-            grad_x = torch.bmm(both, inv_var).mul_(x).baddbmm_(both, scaled_means, alpha=-1.0)
-            if noise is not None:
-                grad_x.addcmul_(torch.bmm(grad_j, inv_var), noise, value=-s)
-        column_j = grad_j.sum(1)  # (G, C)
-        column_kl = weighted_kl.sum(1) if weighted_kl is not None else None
+            # sum_c 2 dD_c (sigma_c^-2 * point - mu_c sigma_c^-2) over both points
+            grad_x = torch.bmm(both, scaled_means).neg_()
+            grad_x.addcmul_(torch.bmm(grad_j, inv_var), point, value=-1.0)
+            if weighted_kl is not None:
+                grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x)
+        # the column sums of 2 dD over both points; also -d log pi and 2 d(sum_d log sigma^2)
+        weight = both.sum(1)  # (G, C)
         if needs[2]:
-            grad_log_pi = column_j if column_kl is None else column_j - column_kl
-            grad_logits = grad_log_pi - torch.softmax(logits, -1) * grad_log_pi.sum(-1, keepdim=True)
+            log_pi = torch.log_softmax(logits, dim=-1)
+            grad_logits = torch.ops.aten._log_softmax_backward_data(weight, log_pi, -1, weight.dtype).neg_()
         if needs[3] or needs[4]:
-            # sum_i 2 dD_ic z_i over both points, and sum_i 2 dD_ic
-            first = torch.bmm(both.transpose(1, 2), x)
-            if noise is not None:
-                first.baddbmm_(grad_j.transpose(1, 2), noise, alpha=-s)
-            weight = both.sum(1).unsqueeze(-1)  # (G, C, 1)
+            # first = sum_i 2 dD_ic z_i over both points
+            first = torch.bmm(grad_j.transpose(1, 2), point).neg_()
+            if weighted_kl is not None:
+                first.baddbmm_(weighted_kl.transpose(1, 2), x)
+            weight3 = weight.unsqueeze(-1)
             if needs[3]:
-                # dmu = -2 sigma^-2 sum_i dD (z_i - mu) = -sigma^-2 (first - mu weight)
-                grad_means = torch.addcmul(first, means, weight, value=-1.0).mul_(inv_var).mul_(-ctx.grad_mult)
+                # dmu = -2 sigma^-2 sum_i dD (z_i - mu) = sigma^-2 (mu weight - first), times c_grad
+                grad_means = torch.addcmul(first, means, weight3, value=-1.0).mul_(inv_var).mul_(-ctx.grad_mult)
             if needs[4]:
-                # 2 d sigma^-2 = sum_i 2 dD (z_i - mu)^2 = second - 2 mu first + mu^2 weight
-                point = x if noise is None else torch.add(x, noise, alpha=s)
+                # 2 d sigma^-2 = sum_i 2 dD (z_i - mu)^2 = second - 2 mu first + mu^2 weight, plus the
+                # trace's s^2 sum_i G^KL P; d log sigma^2 = weight / 2 - sigma^-2 (d sigma^-2)
                 second = torch.bmm(grad_j.transpose(1, 2), point * point).neg_()
                 if weighted_kl is not None:
                     second.baddbmm_(weighted_kl.transpose(1, 2), x * x)
-                second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight)
-                # log_det: -J/2 + T/2 per point; trace: s^2 T/2, i.e. column sums of G^J' and G^KL P
-                det = column_j.neg() if column_kl is None else column_kl - column_j
-                second = second.mul_(0.5)
-                if column_kl is not None:
-                    second.add_(column_kl.unsqueeze(-1), alpha=0.5 * s * s)
-                grad_log_vars = torch.addcmul((0.5 * det).unsqueeze(-1), second, inv_var, value=-1.0)
+                    second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=s * s)
+                second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
+                grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
         return grad_x, None, grad_logits, grad_means, grad_log_vars, None, None, None
 
 

@@ -71,6 +71,7 @@ Examples:
 """
 
 import argparse
+import contextlib
 import gc
 import math
 import statistics
@@ -87,6 +88,7 @@ from harness import (
     build,
     fmt,
     interleaved_step_times,
+    decoding_step_op_counts,
     kernel_op_counts,
     measure_peak,
     per_length,
@@ -103,6 +105,8 @@ from harness import (
     zero_grad,
 )
 from kernel_calls import runs_kernel
+
+from fairseq_modattn.modules import device_paths
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "bench_dma.json"
 
@@ -302,25 +306,39 @@ def profile_dma(entry, cfg, d, device, length, top=15):
 
 
 def count_ops(entries, cfg, d, device):
-    """Per length: the kernel ops of one training step of each model, and their ratio."""
+    """Per length: the kernel launches of one training step of each model, and their ratio; then
+    the launches of one beam-search decoding step. Off CUDA the models take the CUDA code path
+    (``device_paths.emulate``) and a math-path SDPA counts as the one fused kernel it is there,
+    so the count is what a GPU launches."""
+    emulating = device.type != "cuda"
+    context = device_paths.emulate("cuda") if emulating else contextlib.nullcontext()
     gen = torch.Generator().manual_seed(cfg.seed)
     rows = []
-    for length in cfg.lengths:
-        bsz = max(cfg.tokens // length, 1)
-        sample = training_sample(length, bsz, d, gen, device)
-        counts = {}
-        for e in entries:
-            e["model"].train()
-            zero_grad(e["model"])
-            train_step(e, sample)  # the first step at a shape may take other paths (caches, allocation)
-            counts[e["name"]] = kernel_op_counts(e, sample)
-        t, m = (sum(counts[n].values()) for n in ("transformer", "dma"))
-        top = sorted(counts["dma"].items(), key=lambda kv: -kv[1])[:5]
-        rows.append({"length": length, "batch": bsz, "transformer_ops": t, "dma_ops": m, "ops_ratio": m / t,
-                     "dma_top_ops": dict(top)})
-        print(f"  L={length:4d} B={bsz:4d}: transformer {t:6d} | DMA {m:6d} ({m / t:.1f} x); DMA's most "
-              f"frequent: {', '.join(f'{name[6:]} {n}' for name, n in top)}", flush=True)
-    return rows
+    with context:
+        for length in cfg.lengths:
+            bsz = max(cfg.tokens // length, 1)
+            sample = training_sample(length, bsz, d, gen, device)
+            counts = {}
+            for e in entries:
+                e["model"].train()
+                zero_grad(e["model"])
+                train_step(e, sample)  # the first step at a shape may take other paths (caches, allocation)
+                counts[e["name"]] = kernel_op_counts(e, sample, math_sdpa_as_fused=emulating)
+            t, m = (sum(counts[n].values()) for n in ("transformer", "dma"))
+            top = sorted(counts["dma"].items(), key=lambda kv: -kv[1])[:5]
+            rows.append({"length": length, "batch": bsz, "transformer_ops": t, "dma_ops": m, "ops_ratio": m / t,
+                         "dma_top_ops": dict(top)})
+            print(f"  L={length:4d} B={bsz:4d}: transformer {t:6d} | DMA {m:6d} ({m / t:.2f} x); DMA's most "
+                  f"frequent: {', '.join(f'{name[6:]} {n}' for name, n in top)}", flush=True)
+        decoding = {e["name"]: sum(decoding_step_op_counts(e, cfg, d, device, emulating).values()) for e in entries}
+    flat = rows[-1]["dma_ops"] / rows[0]["dma_ops"] if rows else None
+    if rows:
+        print(f"  DMA's calls at L={rows[-1]['length']} / L={rows[0]['length']}: {flat:.3f}")
+    ratio = decoding["dma"] / decoding["transformer"]
+    print(f"  one beam-{cfg.beam} decoding step: transformer (beam-shared encoder keys) "
+          f"{decoding['transformer']:.1f} | DMA {decoding['dma']:.1f} ({ratio:.2f} x)", flush=True)
+    return {"path": "cuda, emulated on the cpu" if emulating else "cuda", "train": rows,
+            "dma_calls_growth": flat, "decoding_step": {**decoding, "ratio": ratio}}
 
 
 # ----------------------------------------------------------------------------- main
@@ -432,8 +450,8 @@ def main(argv=None):
               f"sentences/s | ratio DMA/that transformer {g['sentences_per_s_ratio_shared_keys']:.2f}")
 
     if cfg.count_ops:
-        print("\nkernel ops per training step (ATen ops that run a kernel; on a GPU each is at least one "
-              "launch):", flush=True)
+        print("\nkernel launches per training step (benchmarks/kernel_calls.py; the CUDA code path, "
+              f"{'emulated on the CPU' if device.type != 'cuda' else 'on this GPU'}):", flush=True)
         results["kernel_ops"] = count_ops(entries, cfg, d, device)
 
     if cfg.profile is not None:

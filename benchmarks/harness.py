@@ -220,12 +220,35 @@ def interleaved_step_times(entries, sample, device, warmup: int, repeats: int, s
     return times
 
 
-def kernel_op_counts(entry, sample) -> Dict[str, int]:
-    """{ATen op: calls} of the kernel-running operator calls of one training step."""
+def kernel_op_counts(entry, sample, math_sdpa_as_fused: bool = False) -> Dict[str, int]:
+    """{op: calls} of the kernel launches of one training step (``kernel_calls``)."""
     zero_grad(entry["model"])
-    counts = count_kernel_calls(lambda: train_step(entry, sample))
+    counts = count_kernel_calls(lambda: train_step(entry, sample), math_sdpa_as_fused)
     zero_grad(entry["model"])
     return counts
+
+
+def decoding_step_op_counts(entry, cfg, d, device, math_sdpa_as_fused: bool = False,
+                            lengths=(6, 10)) -> Dict[str, float]:
+    """{op: calls} of one beam-search decoding step: the calls of translating one batch
+    (``--beam``, ``--gen-batch-size`` sentences) to ``lengths[1]`` tokens less those to
+    ``lengths[0]``, per added step (the encoder and the setup cancel; a step's calls do not depend
+    on the batch's size). The transformer runs with fairseq's own beam-shared encoder keys, as
+    the package's models do."""
+    model = entry["model"]
+    model.eval()
+    shared = fairseq_beam_shared_keys(model, cfg.beam) if entry["name"] == "transformer" else contextlib.nullcontext()
+    counts = []
+    with shared:
+        for n in lengths:
+            batch = generation_batches(argparse.Namespace(**{**vars(cfg), "gen_len": n}), d, device)[0][0]
+            generator = SequenceGenerator([model], entry["task"].target_dictionary, beam_size=cfg.beam,
+                                          max_len_a=0, max_len_b=n, min_len=n)
+            generator.generate([model], batch)  # warm-up (first-call paths)
+            counts.append(count_kernel_calls(lambda: generator.generate([model], batch), math_sdpa_as_fused))
+    per = lengths[1] - lengths[0]
+    names = set(counts[0]) | set(counts[1])
+    return {k: (counts[1].get(k, 0) - counts[0].get(k, 0)) / per for k in names}
 
 
 def cpu_peak_step_bytes(entry, sample) -> int:

@@ -19,6 +19,7 @@ device, so the CPU can count what a GPU pays. ``count_kernel_calls(fn)`` runs ``
 """
 
 import contextlib
+import itertools
 from collections import Counter
 from typing import Callable, Dict, Iterable, Iterator
 
@@ -62,20 +63,51 @@ def is_compiled_kernel(node) -> bool:
     return node.name.startswith(COMPILED_KERNEL_PREFIXES)
 
 
-def kernel_calls(nodes: Iterable) -> Iterator:
-    """The counted calls under ``nodes`` of the profiler's event tree (module docstring), each
-    as its event node."""
+def kernel_calls(nodes: Iterable, math_sdpa_as_fused: bool = False) -> Iterator[str]:
+    """The names of the counted calls under ``nodes`` of the profiler's event tree (module
+    docstring), one per call.
+
+    ``math_sdpa_as_fused``: count a ``scaled_dot_product_attention`` that ran torch's math
+    path (the CPU's, where an attention bias needs a gradient) as the one fused kernel that a
+    GPU's memory-efficient attention runs, forward and backward: its backward's decomposed
+    operators (matmuls, softmax backward, ...) count as one call,
+    ``scaled_dot_product_attention [backward]``.
+    """
     from torch._C._profiler import _EventType
 
-    for node in nodes:
-        if node.tag == _EventType.TorchOp and node.name.startswith("aten::"):
-            if runs_kernel(node):
-                yield node
-            continue  # what an op calls in turn is its own implementation
-        if is_compiled_kernel(node):
-            yield node
-            continue
-        yield from kernel_calls(node.children)
+    math_sdpa = {}  # sequence number of an op inside a math-path SDPA -> that SDPA's index
+    sdpa_index = itertools.count()
+    counted_backward = set()
+
+    def mark_math_sdpa(node, index):
+        for child in node.children:
+            if child.tag == _EventType.TorchOp and child.extra_fields.sequence_number >= 0:
+                math_sdpa[child.extra_fields.sequence_number] = index
+            mark_math_sdpa(child, index)
+
+    def walk(nodes):
+        for node in nodes:
+            if node.tag == _EventType.TorchOp and node.name.startswith("aten::"):
+                if math_sdpa_as_fused and node.name == "aten::scaled_dot_product_attention" and any(
+                    c.name == "aten::_scaled_dot_product_attention_math" for c in _children_ops(node)
+                ):
+                    mark_math_sdpa(node, next(sdpa_index))
+                if runs_kernel(node):
+                    yield node.name
+                continue  # what an op calls in turn is its own implementation
+            if node.tag == _EventType.TorchOp and node.name.startswith("autograd::engine::evaluate_function"):
+                index = math_sdpa.get(node.extra_fields.sequence_number)
+                if index is not None:
+                    if index not in counted_backward:
+                        counted_backward.add(index)
+                        yield "aten::scaled_dot_product_attention [backward]"
+                    continue
+            if is_compiled_kernel(node):
+                yield node.name
+                continue
+            yield from walk(node.children)
+
+    yield from walk(nodes)
 
 
 @contextlib.contextmanager
@@ -91,13 +123,14 @@ def _compiled_kernels_recorded():
         yield
 
 
-def count_kernel_calls(fn: Callable[[], object]) -> Dict[str, int]:
-    """{op or kernel name: calls} of the kernel launches of ``fn()`` (module docstring)."""
+def count_kernel_calls(fn: Callable[[], object], math_sdpa_as_fused: bool = False) -> Dict[str, int]:
+    """{op or kernel name: calls} of the kernel launches of ``fn()`` (module docstring;
+    ``math_sdpa_as_fused`` as in ``kernel_calls``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with _compiled_kernels_recorded(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return dict(Counter(node.name for node in kernel_calls(prof.profiler.kineto_results.experimental_event_tree())))
+    return dict(Counter(kernel_calls(prof.profiler.kineto_results.experimental_event_tree(), math_sdpa_as_fused)))
 
 
 def total(counts: Dict[str, int]) -> int:

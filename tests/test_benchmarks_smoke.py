@@ -78,8 +78,8 @@ with profile(activities=[ProfilerActivity.CPU]) as prof:
     x.contiguous()                 # already contiguous: no kernel
     x.t().contiguous()             # transpose is a view; contiguous copies: counted
 counts = {}
-for node in kernel_calls(prof.profiler.kineto_results.experimental_event_tree()):
-    counts[node.name] = counts.get(node.name, 0) + 1
+for name in kernel_calls(prof.profiler.kineto_results.experimental_event_tree()):
+    counts[name] = counts.get(name, 0) + 1
 print(json.dumps(counts))
 """
 
@@ -98,10 +98,15 @@ def test_bench_dma_counts_kernel_ops(tmp_path):
                            "--no-generate", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = json.loads(out.read_text())["kernel_ops"]
+    counted = json.loads(out.read_text())["kernel_ops"]
+    assert counted["path"] == "cuda, emulated on the cpu"
+    rows = counted["train"]
     assert [r["length"] for r in rows] == [8, 32]
     for r in rows:
         # DMA's step has the transformer's calls and its own on top: GMMs, MI bounds, masks
         assert 0 < r["transformer_ops"] < r["dma_ops"] and r["ops_ratio"] == r["dma_ops"] / r["transformer_ops"]
         assert sum(r["dma_top_ops"].values()) <= r["dma_ops"]
-    assert "kernel ops per training step" in proc.stdout
+    assert counted["dma_calls_growth"] == rows[-1]["dma_ops"] / rows[0]["dma_ops"]
+    step = counted["decoding_step"]
+    assert 0 < step["transformer"] <= step["dma"] and step["ratio"] == step["dma"] / step["transformer"]
+    assert "kernel launches per training step" in proc.stdout and "decoding step" in proc.stdout

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
+from .device_paths import path_device
 from .gmm import DiagonalGMM
 from .interpolated_attention import interpolated_masked_attention, log_mask
 from .mi_bounds import (
@@ -293,7 +294,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         query against 30 keys: 2.1 ms against 4.5 ms for the pair).
         """
         if self.attention_impl == "auto":
-            return q.device.type != "cuda"
+            return path_device(q) != "cuda"
         return self.attention_impl == "fused"
 
     def regularisers(

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from .device_paths import path_device
 from .precision import at_least_fp32
 
 #: "xavier" (the DMA authors' initialisation) or "spread" (N(0, 1) centres, unit variances)
@@ -51,7 +52,7 @@ def log_softmax_over_clusters(log_joint: Tensor) -> Tensor:
     (4, 4096, 8): 2.3 ms against 0.05 ms, forward + backward 4.5 against 0.6 ms with the copy).
     The result is a transposed view, which every consumer here reads as it is.
     """
-    if log_joint.device.type != "cpu":
+    if path_device(log_joint) != "cpu":
         return torch.log_softmax(log_joint, dim=-1)
     return torch.log_softmax(log_joint.transpose(-1, -2).contiguous(), dim=-2).transpose(-1, -2)
 

@@ -25,7 +25,8 @@ A variant overrides two hooks:
                        computes it once and uses it on both sides); an entry "input" (N, B, E)
                        replaces x as what the query (cross-attention: key) projection reads,
                        e.g. DMA's training sample; values always read the given input;
-                       none by default;
+                       none by default (``token_states`` calls it for both sides, and may be
+                       overridden to compute them together);
     attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
                     -> (out (B, H, T, d), weights (B, H, T, S) or None); by default
                        scaled dot-product attention (Vaswani et al. 2017, section 3.2.1),
@@ -187,6 +188,12 @@ class MultiheadAttentionBase(nn.Module):
         """Per-token state (B, H, N, *) of a module input x (N, B, E). None by default."""
         return {}
 
+    def token_states(self, query: Tensor, key: Optional[Tensor]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+        """``token_state`` of the queries' input and, when ``key`` is given (the keys' input of
+        encoder-decoder attention, not yet cached), of the keys' input, in that order. A variant
+        may override it to compute both in one pass."""
+        return self.token_state(query), ({} if key is None else self.token_state(key))
+
     def attend(
         self,
         q: Tensor,
@@ -242,22 +249,19 @@ class MultiheadAttentionBase(nn.Module):
             if static_kv and saved.get("prev_key") is not None:
                 key = value = None  # encoder keys were projected at the first step
 
-        q_state = self.token_state(query)
+        if key is not None and not self.self_attention and beams > 1 and key.size(1) == bsz:
+            # SequenceGenerator repeats each sentence's encoder states for its beams: one copy
+            # per sentence is projected, cached and attended to
+            key, value = key[:, ::beams], value[:, ::beams]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[::beams]
+        q_state, k_state = self.token_states(query, None if self.self_attention else key)
         q = self._split_heads(self.q_proj(q_state.pop("input", query)), self.key_heads)
 
-        k_state: Dict[str, Tensor] = {}
         if key is not None:
             if self.self_attention:
                 key = value = query
                 k_state = q_state  # its "input" went to the queries: keys read the given input
-            else:
-                if beams > 1 and key.size(1) == bsz:
-                    # SequenceGenerator repeats each sentence's encoder states for its beams:
-                    # one copy per sentence is projected, cached and attended to
-                    key, value = key[:, ::beams], value[:, ::beams]
-                    if key_padding_mask is not None:
-                        key_padding_mask = key_padding_mask[::beams]
-                k_state = self.token_state(key)
             k = self._split_heads(self.k_proj(k_state.pop("input", key)), self.key_heads)
             v = self._split_heads(self.v_proj(value), self.value_heads)
             # Expand before caching (to one copy per sentence when the beams share it), so that

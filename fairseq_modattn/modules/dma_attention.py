@@ -70,6 +70,7 @@ from torch import Tensor
 from .attention_base import MultiheadAttentionBase
 from .device_paths import path_device
 from .gmm import DiagonalGMM
+from .precision import at_least_fp32
 from .interpolated_attention import interpolated_masked_attention, log_mask
 from .mi_bounds import (
     DIV_FORMS,
@@ -214,10 +215,37 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         return self.training and self.sample_inputs == "attention"
 
     def token_state(self, x: Tensor) -> Dict[str, Tensor]:
-        noise = None
-        state: Dict[str, Tensor] = {}
+        return self._token_state(x, torch.randn_like(x) if self.samples_attention else None)
+
+    def token_states(self, query: Tensor, key: Optional[Tensor]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+        """Encoder-decoder attention clusters its queries' and keys' inputs (one token GMM) in
+        one pass over both, concatenated along time: one GMM call instead of two, with the
+        same random draws in the same order as two ``token_state`` calls."""
+        if key is None or query.size(1) != key.size(1) or (not self.collect_aux and self.gamma == 0.0):
+            return super().token_states(query, key)
+        noise = gmm_noise = None
         if self.samples_attention:
-            noise = torch.randn_like(x)
+            noise = torch.cat([torch.randn_like(query), torch.randn_like(key)])
+        elif self.training:
+            # the draws the token GMM makes for each side, (H, N * B, d) in its group-major
+            # order, laid out as the concatenated points
+            draws = [torch.randn(self.num_heads, t.size(0) * t.size(1), self.head_dim, dtype=at_least_fp32(t),
+                                 device=t.device) for t in (query, key)]
+            both = torch.cat(draws, 1).view(self.num_heads, -1, query.size(1), self.head_dim)
+            gmm_noise = both.permute(2, 0, 1, 3)
+        state = self._token_state(torch.cat([query, key]), noise, gmm_noise)
+        split = query.size(0)
+        return (
+            {name: t[:split] if name == "input" else t[:, :, :split] for name, t in state.items()},
+            {name: t[split:] if name == "input" else t[:, :, split:] for name, t in state.items()},
+        )
+
+    def _token_state(self, x: Tensor, noise: Optional[Tensor], gmm_noise: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        """The state of the inputs x (N, B, E): their training sample x + s noise as "input"
+        (``noise`` given, "attention" sampling), and the token GMM's statistics of x (sampled
+        with ``noise``, else ``gmm_noise`` (B, H, N, d), else the GMM's own draw)."""
+        state: Dict[str, Tensor] = {}
+        if noise is not None:
             state["input"] = torch.add(x, noise, alpha=math.sqrt(self.noise_var))
         if not self.collect_aux and self.gamma == 0.0:
             return state
@@ -231,7 +259,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             self.noise_var,
             sample=self.training,
             need_kl=self.collect_aux,
-            noise=None if noise is None else heads(noise),
+            noise=heads(noise) if noise is not None else gmm_noise,
         )
         # What ``attend`` reads: log P on the fused path, P on the SDPA path and in the
         # regularisers. Each entry left out is a copy saved where the beams of a decoding step are

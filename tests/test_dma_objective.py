@@ -261,8 +261,14 @@ def test_scaled_query_gmm_clusters_q_over_sqrt_d_and_the_logits_carry_its_sample
     the sample u~ = u + s eps'; the logits are u~ k^T, so the queries carry sqrt(d) s eps'."""
     m = sampling_dma(sample_inputs="attention", self_attention=True, query_gmm_input="scaled").train()
     seen = {}
+    # the GMM is handed q, its scale and the sampled q~ (the tensor the attention reads), and
+    # clusters u = scale q with the sample u~ = scale q~ = u + s eps'
     m.query_gmm.register_forward_hook(
-        lambda mod, args, kwargs, out: seen.update(u=args[0], eps=kwargs["noise"]), with_kwargs=True
+        lambda mod, args, kwargs, out: seen.update(
+            u=kwargs["scale"] * args[0],
+            eps=kwargs["scale"] * (kwargs["point"] - args[0]) / math.sqrt(m.noise_var),
+        ),
+        with_kwargs=True,
     )
     length, bsz = 5, 2
     s, d = math.sqrt(m.noise_var), EMBED // HEADS

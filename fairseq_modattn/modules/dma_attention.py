@@ -259,7 +259,9 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             self.noise_var,
             sample=self.training,
             need_kl=self.collect_aux,
-            noise=heads(noise) if noise is not None else gmm_noise,
+            noise=gmm_noise,
+            # the sample the projections read is the GMM's point too: kept once for both
+            point=heads(state["input"]) if noise is not None else None,
         )
         # What ``attend`` reads: log P on the fused path, P on the SDPA path and in the
         # regularisers. Each entry left out is a copy saved where the beams of a decoding step are
@@ -284,14 +286,16 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         need_weights: bool,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         gamma = self.gamma
-        query_noise = None
+        sampled_q = None
         if self.samples_attention:
+            # q~ = (u + s eps') / scale with u = scale q, laid out like q (the first operand), so
+            # that the query GMM keeps for backward the very tensor the attention keeps
             query_noise = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+            sampled_q = torch.add(q, query_noise, alpha=math.sqrt(self.noise_var) / self.query_gmm_scale)
         if self.collect_aux:
-            u = q if self.query_gmm_scale == 1.0 else q * self.query_gmm_scale
-            self.aux_losses = self.regularisers(u, q_state, k_state, key_padding_mask, query_noise)
-        if query_noise is not None:  # q~ = (u + s eps') / scale
-            q = torch.add(q, query_noise, alpha=math.sqrt(self.noise_var) / self.query_gmm_scale)
+            self.aux_losses = self.regularisers(q, q_state, k_state, key_padding_mask, sampled_q)
+        if sampled_q is not None:
+            q = sampled_q
         if gamma == 0.0:  # A^ = A: plain attention
             return super().attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
         if need_weights:
@@ -331,12 +335,12 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         q_state: Dict[str, Tensor],
         k_state: Dict[str, Tensor],
         key_padding_mask: Optional[Tensor],
-        query_noise: Optional[Tensor] = None,
+        sampled_q: Optional[Tensor] = None,
     ) -> Dict[str, Tensor]:
         """KL (both GMMs), L_Dqq, L_Dxq and L_dv of this module, each a batch mean or, with
-        ``per_sentence_losses``, a (B,) vector (see mi_bounds). ``q``: what the query GMM
-        clusters (the queries, scaled by ``query_gmm_scale``); ``query_noise``: eps' of its
-        sample q + s eps' ("attention" sampling)."""
+        ``per_sentence_losses``, a (B,) vector (see mi_bounds). ``q``: the queries, which the
+        query GMM clusters scaled by ``query_gmm_scale``; ``sampled_q``: their training sample
+        q~ ("attention" sampling), the point whose posterior the GMM takes."""
         key_valid = None if key_padding_mask is None else ~key_padding_mask.bool()
         if self.self_attention:
             query_valid = key_valid
@@ -344,7 +348,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             query_valid = None if self.query_padding_mask is None else ~self.query_padding_mask.bool()
 
         queries = self.query_gmm(
-            q, self.noise_var, sample=query_noise is not None, need_kl=True, noise=query_noise
+            q, self.noise_var, sample=sampled_q is not None, need_kl=True, point=sampled_q, scale=self.query_gmm_scale
         )
         query_post = queries.post
         token_post = posteriors(q_state)

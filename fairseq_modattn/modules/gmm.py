@@ -112,8 +112,9 @@ def mixture_constants(logits: Tensor, means: Tensor, log_vars: Tensor) -> Tuple[
 
 def mixture_statistics(
     x: Tensor,
-    noise: Optional[Tensor],
-    noise_scale: float,
+    point: Tensor,
+    scale: float,
+    noise_var: float,
     need_kl: bool,
     inv_var: Tensor,
     scaled_means: Tensor,
@@ -121,63 +122,66 @@ def mixture_statistics(
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """J, LP, P, KL and T + d log(2 pi) / 2 of ``_MixtureStatistics`` (whose docstring gives the
     equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own."""
-    point = x if noise is None else torch.add(x, noise, alpha=noise_scale)
-    log_joint = torch.baddbmm(log_norm, point * point, inv_var.transpose(1, 2), alpha=-0.5)
-    log_joint.baddbmm_(point, scaled_means.transpose(1, 2))
+    log_joint = torch.baddbmm(log_norm, point * point, inv_var.transpose(1, 2), alpha=-0.5 * scale * scale)
+    log_joint.baddbmm_(point, scaled_means.transpose(1, 2), alpha=scale)
     log_post = log_softmax_over_clusters(log_joint)
     post = log_post.exp()
     kl = terms = None
     if need_kl:
-        # T + d log(2 pi) / 2 = -(log N_c - s^2 tr_c / 2) + D'(x) / 2 + LP, D' = D - sum_d mu^2 / sigma^2;
+        # T + d log(2 pi) / 2 = -(log N_c - s^2 tr_c / 2) + D'(a x) / 2 + LP, D' = D - sum_d mu^2 / sigma^2;
         # the constant leaves the KL once, as sum_c P = 1
         trace = inv_var.sum(-1).unsqueeze(-2)
-        offset = torch.add(log_norm, trace, alpha=-0.5 * noise_scale**2)
-        terms = torch.baddbmm(offset, x * x, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5)
-        terms.baddbmm_(x, scaled_means.transpose(1, 2), alpha=-1.0).add_(log_post)
+        offset = torch.add(log_norm, trace, alpha=-0.5 * noise_var)
+        terms = torch.baddbmm(offset, x * x, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5 * scale * scale)
+        terms.baddbmm_(x, scaled_means.transpose(1, 2), alpha=-scale).add_(log_post)
         dim = x.size(-1)
-        kl = (post * terms).sum(-1).sub_(0.5 * dim * (LOG_2PI + 1.0 + math.log(noise_scale**2)))
+        kl = (post * terms).sum(-1).sub_(0.5 * dim * (LOG_2PI + 1.0 + math.log(noise_var)))
     return log_joint, log_post, post, kl, terms
 
 
 class _MixtureStatistics(torch.autograd.Function):
     """log p(z, c), log p(c | z), p(c | z) and the VaDE KL of (G, M, d) points in one call.
 
-    Forward, with z = x + s eps (z = x without sampling), sigma^-2 = exp(-log sigma^2) and
+    The mixture clusters u = a x: a point x of the caller, scaled by a constant a (1 but for
+    DMA's query GMM on q / sqrt(d), ``scale``). The caller gives the mean x and the sampled
+    point z (z = x + s eps in training, z = x otherwise); no noise is kept here, so a sample the
+    caller keeps anyway (DMA's attention inputs) costs no memory twice. With
+    sigma^-2 = exp(-log sigma^2) and
     log N_c = log pi_c - (sum_d log sigma_cd^2 + d log 2 pi) / 2 - sum_d mu_cd^2 / (2 sigma_cd^2):
 
-        J_ic  = log p(z_i, c) = log N_c - (z_i*z_i) @ sigma_c^-2 / 2 + z_i @ (mu_c sigma_c^-2)
+        J_ic  = log p(a z_i, c) = log N_c - a^2 (z_i*z_i) @ sigma_c^-2 / 2 + a z_i @ (mu_c sigma_c^-2)
         LP_ic = J_ic - logsumexp_c J_ic,       P = exp(LP),
         KL_i  = sum_c P_ic T_ic - d (1 + log s^2) / 2,
-        T_ic  = (sum_d log sigma_cd^2 + s^2 sum_d sigma_cd^-2 + D_c(x_i)) / 2 - log pi_c + LP_ic,
+        T_ic  = (sum_d log sigma_cd^2 + s^2 sum_d sigma_cd^-2 + D_c(a x_i)) / 2 - log pi_c + LP_ic,
 
-    D_c(x) = sum_d (x_d - mu_cd)^2 / sigma_cd^2 at the mean x (VaDE). Every distance is a
+    D_c(u) = sum_d (u_d - mu_cd)^2 / sigma_cd^2 at the mean (VaDE). Every distance is a
     matmul of the points with the (C, d) parameters, so no (M, C, d) tensor exists.
 
     Backward (``_backward``), with G^J, G^LP, G^P, G^KL the incoming gradients:
 
         G^LP' = G^LP + G^P P + G^KL P (T + 1)             (P = exp(LP); T enters KL with P)
         G^J'  = G^J + G^LP' - P rowsum_c(G^LP')            (log-softmax)
-        dD(z) = -G^J' / 2,   dD(x) = G^KL P / 2,
-        dz    = 2 (dD sigma^-2) * z - 2 dD (mu sigma^-2)   (each distance at its own point)
-        dmu_c = -2 sigma_c^-2 sum_i dD_ic (z_i - mu_c),    d sigma_c^-2 = sum_i dD_ic (z_i - mu_c)^2
+        dD(a z) = -G^J' / 2,   dD(a x) = G^KL P / 2,
+        dz    = 2 a (dD sigma^-2) * a z - 2 a dD (mu sigma^-2), and so dx at the mean,
+        dmu_c = -2 sigma_c^-2 sum_i dD_ic (u_i - mu_c),    d sigma_c^-2 = sum_i dD_ic (u_i - mu_c)^2
         d log sigma^2 = -sigma^-2 (d sigma^-2) + column sums for the log-determinant and trace,
         d logits = softmax backward of d log pi,
 
-    summed over both points by matmuls. The backward saves x, eps and T (C values a point) and
-    rebuilds z, z*z and x*x; the mean's gradient is multiplied by c_grad here (fairseq's
+    summed over both points by matmuls. The backward keeps x, z and T (C values a point) and
+    rebuilds z*z and x*x; the mean's gradient is multiplied by c_grad here (fairseq's
     ``GradMultiply``, folded in to save its two calls).
     """
 
     @staticmethod
-    def forward(ctx, x, noise, logits, means, log_vars, noise_scale, need_kl, grad_mult):
+    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult):
         # unused outputs give None gradients instead of zero tensors (each one a launch)
         ctx.set_materialize_grads(False)
         inv_var, scaled_means, log_norm = mixture_constants(logits, means, log_vars)
         log_joint, log_post, post, kl, terms = mixture_statistics(
-            x, noise, noise_scale, need_kl, inv_var, scaled_means, log_norm
+            x, point, scale, noise_var, need_kl, inv_var, scaled_means, log_norm
         )
-        ctx.noise_scale, ctx.grad_mult, ctx.device_type = noise_scale, grad_mult, x.device.type
-        ctx.save_for_backward(x, noise, logits, means, inv_var, scaled_means, post, terms)
+        ctx.scale, ctx.noise_var, ctx.grad_mult, ctx.device_type = scale, noise_var, grad_mult, x.device.type
+        ctx.save_for_backward(x if need_kl else None, point, logits, means, inv_var, scaled_means, post, terms)
         return log_joint, log_post, post, kl
 
     @staticmethod
@@ -188,13 +192,13 @@ class _MixtureStatistics(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_joint, grad_log_post, grad_post, grad_kl):
-        x, noise, logits, means, inv_var, scaled_means, post, terms = ctx.saved_tensors
-        s = ctx.noise_scale
+        x, point, logits, means, inv_var, scaled_means, post, terms = ctx.saved_tensors
+        a = ctx.scale
         needs = ctx.needs_input_grad
-        dim = x.size(-1)
+        dim = point.size(-1)
         # G^LP' = G^LP + P (G^P + G^KL (T + 1)); ``terms`` is T + d log(2 pi) / 2. Any incoming
         # gradient may be None (an output that reached no loss).
-        weighted_kl = None  # G^KL P, (G, M, C)
+        weighted_kl = None  # G^KL P = 2 dD(a x), (G, M, C)
         grad_lp = None
         if grad_kl is not None and terms is not None:
             grad_kl = grad_kl.unsqueeze(-1)
@@ -207,47 +211,46 @@ class _MixtureStatistics(torch.autograd.Function):
             grad_lp = post * grad_post
         if grad_log_post is not None:
             grad_lp = grad_log_post if grad_lp is None else grad_lp.add_(grad_log_post)
-        # G^J' (log-softmax backward)
+        # G^J' = -2 dD(a z) (log-softmax backward)
         if grad_lp is None:
             grad_j = grad_joint if grad_joint is not None else torch.zeros_like(post)
         else:
             grad_j = torch.addcmul(grad_lp, post, grad_lp.sum(-1, keepdim=True), value=-1.0)
             if grad_joint is not None:
                 grad_j.add_(grad_joint)
-        # 2 dD(z) = -G^J' and 2 dD(x) = G^KL P; ``both`` sums them over the two points
-        both = grad_j.neg() if weighted_kl is None else weighted_kl - grad_j
-        point = x if noise is None else torch.add(x, noise, alpha=s)
-        grad_x = grad_logits = grad_means = grad_log_vars = None
-        if needs[0]:
-            # sum_c 2 dD_c (sigma_c^-2 * point - mu_c sigma_c^-2) over both points
-            grad_x = torch.bmm(both, scaled_means).neg_()
-            grad_x.addcmul_(torch.bmm(grad_j, inv_var), point, value=-1.0)
-            if weighted_kl is not None:
-                grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x)
-        # the column sums of 2 dD over both points; also -d log pi and 2 d(sum_d log sigma^2)
-        weight = both.sum(1)  # (G, C)
+        grad_x = grad_point = grad_logits = grad_means = grad_log_vars = None
+        if needs[1]:
+            # sum_c 2 dD_c(a z) (a^2 sigma_c^-2 * z - a mu_c sigma_c^-2)
+            grad_point = torch.bmm(grad_j, scaled_means).mul_(a)
+            grad_point.addcmul_(torch.bmm(grad_j, inv_var), point, value=-a * a)
+        if needs[0] and weighted_kl is not None:
+            grad_x = torch.bmm(weighted_kl, scaled_means).mul_(-a)
+            grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x, value=a * a)
+        # the column sums of 2 dD over both points: -d log pi and 2 d(sum_d log sigma^2)
+        weight = grad_j.sum(1).neg_() if weighted_kl is None else (weighted_kl - grad_j).sum(1)  # (G, C)
         if needs[2]:
             log_pi = torch.log_softmax(logits, dim=-1)
             grad_logits = torch.ops.aten._log_softmax_backward_data(weight, log_pi, -1, weight.dtype).neg_()
         if needs[3] or needs[4]:
-            # first = sum_i 2 dD_ic z_i over both points
-            first = torch.bmm(grad_j.transpose(1, 2), point).neg_()
+            # first = sum_i 2 dD_ic u_i over both points (u = a z, a x)
+            first = torch.baddbmm(point.new_empty(()), grad_j.transpose(1, 2), point, beta=0.0, alpha=-a)
             if weighted_kl is not None:
-                first.baddbmm_(weighted_kl.transpose(1, 2), x)
+                first.baddbmm_(weighted_kl.transpose(1, 2), x, alpha=a)
             weight3 = weight.unsqueeze(-1)
             if needs[3]:
-                # dmu = -2 sigma^-2 sum_i dD (z_i - mu) = sigma^-2 (mu weight - first), times c_grad
+                # dmu = -2 sigma^-2 sum_i dD (u_i - mu) = sigma^-2 (mu weight - first), times c_grad
                 grad_means = torch.addcmul(first, means, weight3, value=-1.0).mul_(inv_var).mul_(-ctx.grad_mult)
             if needs[4]:
-                # 2 d sigma^-2 = sum_i 2 dD (z_i - mu)^2 = second - 2 mu first + mu^2 weight, plus the
+                # 2 d sigma^-2 = sum_i 2 dD (u_i - mu)^2 = second - 2 mu first + mu^2 weight, plus the
                 # trace's s^2 sum_i G^KL P; d log sigma^2 = weight / 2 - sigma^-2 (d sigma^-2)
-                second = torch.bmm(grad_j.transpose(1, 2), point * point).neg_()
+                second = torch.baddbmm(point.new_empty(()), grad_j.transpose(1, 2), point * point,
+                                       beta=0.0, alpha=-a * a)
                 if weighted_kl is not None:
-                    second.baddbmm_(weighted_kl.transpose(1, 2), x * x)
-                    second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=s * s)
+                    second.baddbmm_(weighted_kl.transpose(1, 2), x * x, alpha=a * a)
+                    second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=ctx.noise_var)
                 second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
                 grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
-        return grad_x, None, grad_logits, grad_means, grad_log_vars, None, None, None
+        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None
 
 
 class DiagonalGMM(nn.Module):
@@ -308,38 +311,48 @@ class DiagonalGMM(nn.Module):
         sample: bool = False,
         need_kl: bool = False,
         noise: Optional[Tensor] = None,
+        point: Optional[Tensor] = None,
+        scale: float = 1.0,
     ) -> GMMStatistics:
-        """Cluster the points ``x`` of shape (..., G, N, d).
+        """Cluster the points ``scale * x``, x of shape (..., G, N, d).
 
         ``noise_var`` is s^2 of q(z | x) = N(x, s^2 I). With ``sample`` (training) the posterior
-        is taken at z~ = x + s * eps and the KL at the mean x, as in VaDE; without it both use x.
-        ``noise`` (shape of ``x``) is eps when the caller needs the same sample z~ elsewhere
-        (DMA feeds it to the attention projections); by default it is drawn here.
+        is taken at a sample z~ = x + s * eps and the KL at the mean x, as in VaDE; without it
+        both use x. The caller that needs the sample elsewhere too (DMA feeds it to the
+        attention) gives either ``noise`` (eps, shape of ``x``) or the sampled ``point`` z~
+        itself, which is then kept for backward without a copy (the points are in the
+        mixture's space divided by ``scale``: z~ = x + (s / scale) eps); by default eps is drawn
+        here.
         """
-        if noise is not None and noise.shape != x.shape:
-            raise ValueError(f"noise of shape {tuple(noise.shape)} for points of shape {tuple(x.shape)}")
+        for name, t in (("noise", noise), ("point", point)):
+            if t is not None and t.shape != x.shape:
+                raise ValueError(f"{name} of shape {tuple(t.shape)} for points of shape {tuple(x.shape)}")
         if need_kl and noise_var <= 0.0:
             raise ValueError("the VaDE KL needs a positive variance s^2 for q(z | x)")
         with torch.autocast(device_type=x.device.type, enabled=False):
             dtype = at_least_fp32(x, self.means)
             points, restore = group_major_points(x.to(dtype), self.num_groups)
-            if not sample:
-                noise = None
-            elif noise is not None:
-                # laid out like x, so that group_major_points orders both points the same way
-                if noise.stride() != x.stride() or noise.dtype != dtype:
-                    noise = torch.empty_like(x, dtype=dtype).copy_(noise)
-                noise = group_major_points(noise, self.num_groups)[0]
-            elif noise_var > 0.0:
-                noise = torch.randn(points.shape, dtype=dtype, device=points.device)
+            sampled = points
+            if sample:
+                if point is None and noise is not None:
+                    point = torch.add(x, noise, alpha=math.sqrt(noise_var) / scale)
+                if point is not None:
+                    # laid out like x, so that group_major_points orders both points the same way
+                    if point.stride() != x.stride() or point.dtype != dtype:
+                        point = torch.empty_like(x, dtype=dtype).copy_(point)
+                    sampled = group_major_points(point, self.num_groups)[0]
+                elif noise_var > 0.0:
+                    drawn = torch.randn(points.shape, dtype=dtype, device=points.device)
+                    sampled = torch.add(points, drawn, alpha=math.sqrt(noise_var) / scale)
             params = (self.logits.to(dtype), self.means.to(dtype), self.log_vars.to(dtype))
-            if torch.is_grad_enabled() and (points.requires_grad or any(p.requires_grad for p in params)):
+            grad_needed = points.requires_grad or sampled.requires_grad or any(p.requires_grad for p in params)
+            if torch.is_grad_enabled() and grad_needed:
                 log_joint, log_post, post, kl = _MixtureStatistics.apply(
-                    points, noise, *params, math.sqrt(noise_var), need_kl, self.centroid_grad_mult
+                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult
                 )
             else:
                 log_joint, log_post, post, kl, _ = mixture_statistics(
-                    points, noise, math.sqrt(noise_var), need_kl, *self._frozen_constants(params)
+                    points, sampled, scale, noise_var, need_kl, *self._frozen_constants(params)
                 )
             if kl is not None:
                 kl = restore(kl.unsqueeze(-1)).squeeze(-1)

@@ -86,6 +86,7 @@ import torch
 from torch import Tensor
 
 from . import blocking
+from .device_paths import path_device
 from .logspace import log_matmul_exp
 from .precision import at_least_fp32
 
@@ -359,7 +360,7 @@ class _InfoNCEBound(torch.autograd.Function):
     @staticmethod
     def forward(ctx, post, valid, per_sentence):
         bsz, heads, length, _ = post.shape
-        blocks = blocking.sentence_blocks(bsz, heads * length**2, post.device)
+        blocks = blocking.sentence_blocks(bsz, heads * length**2, path_device(post))
         if valid is None:
             post, key_critic = post.contiguous(), None
         else:

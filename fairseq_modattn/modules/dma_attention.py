@@ -61,7 +61,7 @@ encoder-decoder attention then added (as the authors' code adds them) rather tha
 """
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,6 @@ from torch import Tensor
 from .attention_base import MultiheadAttentionBase
 from .device_paths import path_device
 from .gmm import DiagonalGMM
-from .precision import at_least_fp32
 from .interpolated_attention import interpolated_masked_attention, log_mask
 from .mi_bounds import (
     DIV_FORMS,
@@ -81,6 +80,8 @@ from .mi_bounds import (
     masked_token_mean,
     sample_negatives,
 )
+from .noise import ReplayableNoise
+from .precision import at_least_fp32
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
 #: "fused": ``interpolated_masked_attention``; "sdpa": two scaled_dot_product_attention calls;
@@ -223,9 +224,13 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         same random draws in the same order as two ``token_state`` calls."""
         if key is None or query.size(1) != key.size(1) or (not self.collect_aux and self.gamma == 0.0):
             return super().token_states(query, key)
-        noise = gmm_noise = None
+        noise = gmm_noise = noise_replay = None
         if self.samples_attention:
-            noise = torch.cat([torch.randn_like(query), torch.randn_like(key)])
+            # drawn again in backward, where the GMM rebuilds the concatenated means from the
+            # samples the projections keep (the concatenation itself is not kept)
+            replay = ReplayableNoise()
+            noise = torch.cat(replay.draw(query, key))
+            noise_replay = lambda: torch.cat(replay.replay())  # noqa: E731
         elif self.training:
             # the draws the token GMM makes for each side, (H, N * B, d) in its group-major
             # order, laid out as the concatenated points
@@ -233,17 +238,24 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
                                  device=t.device) for t in (query, key)]
             both = torch.cat(draws, 1).view(self.num_heads, -1, query.size(1), self.head_dim)
             gmm_noise = both.permute(2, 0, 1, 3)
-        state = self._token_state(torch.cat([query, key]), noise, gmm_noise)
+        state = self._token_state(torch.cat([query, key]), noise, gmm_noise, noise_replay)
         split = query.size(0)
         return (
             {name: t[:split] if name == "input" else t[:, :, :split] for name, t in state.items()},
             {name: t[split:] if name == "input" else t[:, :, split:] for name, t in state.items()},
         )
 
-    def _token_state(self, x: Tensor, noise: Optional[Tensor], gmm_noise: Optional[Tensor] = None) -> Dict[str, Tensor]:
+    def _token_state(
+        self,
+        x: Tensor,
+        noise: Optional[Tensor],
+        gmm_noise: Optional[Tensor] = None,
+        noise_replay: Optional[Callable[[], Tensor]] = None,
+    ) -> Dict[str, Tensor]:
         """The state of the inputs x (N, B, E): their training sample x + s noise as "input"
         (``noise`` given, "attention" sampling), and the token GMM's statistics of x (sampled
-        with ``noise``, else ``gmm_noise`` (B, H, N, d), else the GMM's own draw)."""
+        with ``noise``, else ``gmm_noise`` (B, H, N, d), else the GMM's own draw).
+        ``noise_replay``: ``noise`` drawn again, for a GMM that should not keep x itself."""
         state: Dict[str, Tensor] = {}
         if noise is not None:
             state["input"] = torch.add(x, noise, alpha=math.sqrt(self.noise_var))
@@ -262,6 +274,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             noise=gmm_noise,
             # the sample the projections read is the GMM's point too: kept once for both
             point=heads(state["input"]) if noise is not None else None,
+            noise_replay=None if noise_replay is None else (lambda: heads(noise_replay())),
         )
         # What ``attend`` reads: log P on the fused path, P on the SDPA path and in the
         # regularisers. Each entry left out is a copy saved where the beams of a decoding step are
@@ -286,14 +299,18 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         need_weights: bool,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         gamma = self.gamma
-        sampled_q = None
+        sampled_q = replay = None
         if self.samples_attention:
             # q~ = (u + s eps') / scale with u = scale q, laid out like q (the first operand), so
-            # that the query GMM keeps for backward the very tensor the attention keeps
-            query_noise = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+            # that the query GMM keeps for backward the very tensor the attention keeps, and
+            # rebuilds q there from eps' drawn again (``noise``)
+            replay = ReplayableNoise()
+            (query_noise,) = replay.draw((q.shape, q.dtype, q.device))
             sampled_q = torch.add(q, query_noise, alpha=math.sqrt(self.noise_var) / self.query_gmm_scale)
+            del query_noise
         if self.collect_aux:
-            self.aux_losses = self.regularisers(q, q_state, k_state, key_padding_mask, sampled_q)
+            noise_replay = None if replay is None else (lambda: replay.replay()[0])
+            self.aux_losses = self.regularisers(q, q_state, k_state, key_padding_mask, sampled_q, noise_replay)
         if sampled_q is not None:
             q = sampled_q
         if gamma == 0.0:  # A^ = A: plain attention
@@ -336,11 +353,13 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         k_state: Dict[str, Tensor],
         key_padding_mask: Optional[Tensor],
         sampled_q: Optional[Tensor] = None,
+        noise_replay: Optional[Callable[[], Tensor]] = None,
     ) -> Dict[str, Tensor]:
         """KL (both GMMs), L_Dqq, L_Dxq and L_dv of this module, each a batch mean or, with
         ``per_sentence_losses``, a (B,) vector (see mi_bounds). ``q``: the queries, which the
         query GMM clusters scaled by ``query_gmm_scale``; ``sampled_q``: their training sample
-        q~ ("attention" sampling), the point whose posterior the GMM takes."""
+        q~ ("attention" sampling), the point whose posterior the GMM takes; ``noise_replay``:
+        its noise drawn again (``gmm.DiagonalGMM.forward``)."""
         key_valid = None if key_padding_mask is None else ~key_padding_mask.bool()
         if self.self_attention:
             query_valid = key_valid
@@ -348,7 +367,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             query_valid = None if self.query_padding_mask is None else ~self.query_padding_mask.bool()
 
         queries = self.query_gmm(
-            q, self.noise_var, sample=sampled_q is not None, need_kl=True, point=sampled_q, scale=self.query_gmm_scale
+            q, self.noise_var, sample=sampled_q is not None, need_kl=True, point=sampled_q,
+            scale=self.query_gmm_scale, noise_replay=noise_replay,
         )
         query_post = queries.post
         token_post = posteriors(q_state)

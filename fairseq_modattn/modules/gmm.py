@@ -173,7 +173,7 @@ class _MixtureStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult):
+    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult, mean_of):
         # unused outputs give None gradients instead of zero tensors (each one a launch)
         ctx.set_materialize_grads(False)
         inv_var, scaled_means, log_norm = mixture_constants(logits, means, log_vars)
@@ -181,7 +181,10 @@ class _MixtureStatistics(torch.autograd.Function):
             x, point, scale, noise_var, need_kl, inv_var, scaled_means, log_norm
         )
         ctx.scale, ctx.noise_var, ctx.grad_mult, ctx.device_type = scale, noise_var, grad_mult, x.device.type
-        ctx.save_for_backward(x if need_kl else None, point, logits, means, inv_var, scaled_means, post, terms)
+        # ``mean_of(point)`` rebuilds x in backward (from the replayed noise), so x is not kept
+        ctx.mean_of = mean_of
+        kept_mean = x if need_kl and mean_of is None else None
+        ctx.save_for_backward(kept_mean, point, logits, means, inv_var, scaled_means, post, terms)
         return log_joint, log_post, post, kl
 
     @staticmethod
@@ -193,6 +196,8 @@ class _MixtureStatistics(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_joint, grad_log_post, grad_post, grad_kl):
         x, point, logits, means, inv_var, scaled_means, post, terms = ctx.saved_tensors
+        if terms is not None and x is None:
+            x = ctx.mean_of(point)
         a = ctx.scale
         needs = ctx.needs_input_grad
         dim = point.size(-1)
@@ -250,7 +255,22 @@ class _MixtureStatistics(torch.autograd.Function):
                     second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=ctx.noise_var)
                 second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
                 grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
-        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None
+        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None
+
+
+def _mean_rebuilder(
+    noise_replay: Callable[[], Tensor], step: float, restore: Callable[[Tensor], Tensor], num_groups: int
+) -> Callable[[Tensor], Tensor]:
+    """The mean x = z~ - step * eps of group-major sampled points z~, with eps from
+    ``noise_replay`` (in the points' logical layout), in the same group-major order."""
+
+    def mean_of(sampled: Tensor) -> Tensor:
+        logical = restore(sampled)
+        mean = torch.empty_like(logical)  # z~'s layout, so that both take one group-major order
+        torch.sub(logical, noise_replay().to(logical.dtype), alpha=step, out=mean)
+        return group_major_points(mean, num_groups)[0]
+
+    return mean_of
 
 
 class DiagonalGMM(nn.Module):
@@ -313,6 +333,7 @@ class DiagonalGMM(nn.Module):
         noise: Optional[Tensor] = None,
         point: Optional[Tensor] = None,
         scale: float = 1.0,
+        noise_replay: Optional[Callable[[], Tensor]] = None,
     ) -> GMMStatistics:
         """Cluster the points ``scale * x``, x of shape (..., G, N, d).
 
@@ -322,7 +343,8 @@ class DiagonalGMM(nn.Module):
         attention) gives either ``noise`` (eps, shape of ``x``) or the sampled ``point`` z~
         itself, which is then kept for backward without a copy (the points are in the
         mixture's space divided by ``scale``: z~ = x + (s / scale) eps); by default eps is drawn
-        here.
+        here. With ``point``, ``noise_replay`` (optional) returns eps again in backward, which
+        then rebuilds the mean x = z~ - (s / scale) eps instead of keeping it.
         """
         for name, t in (("noise", noise), ("point", point)):
             if t is not None and t.shape != x.shape:
@@ -347,8 +369,11 @@ class DiagonalGMM(nn.Module):
             params = (self.logits.to(dtype), self.means.to(dtype), self.log_vars.to(dtype))
             grad_needed = points.requires_grad or sampled.requires_grad or any(p.requires_grad for p in params)
             if torch.is_grad_enabled() and grad_needed:
+                mean_of = None
+                if noise_replay is not None and point is not None and sampled is not points:
+                    mean_of = _mean_rebuilder(noise_replay, math.sqrt(noise_var) / scale, restore, self.num_groups)
                 log_joint, log_post, post, kl = _MixtureStatistics.apply(
-                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult
+                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult, mean_of
                 )
             else:
                 log_joint, log_post, post, kl, _ = mixture_statistics(

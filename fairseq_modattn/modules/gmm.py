@@ -93,8 +93,10 @@ def group_major_points(x: Tensor, num_groups: int) -> Tuple[Tensor, Callable[[Te
     flat = ordered.reshape(num_groups, -1, x.size(-1))
     inverse = [order.index(a) for a in range(len(order))]
 
+    point_shape = ordered.shape[:-1]  # a shape, not the view: ``restore`` must not keep x alive
+
     def restore(result: Tensor) -> Tensor:
-        out = result.reshape(*ordered.shape[:-1], result.size(-1)).permute(inverse)
+        out = result.reshape(*point_shape, result.size(-1)).permute(inverse)
         return out.squeeze(0) if num_groups == 1 else out.movedim(0, -3)
 
     return flat, restore

@@ -72,6 +72,18 @@ def shared_corpus(pytestconfig, name: str, probe: str, what: str) -> Path:
 
 
 @pytest.fixture(scope="session")
+def kernel_calls():
+    """``benchmarks/kernel_calls.py``, the kernel-launch counter (benchmarks/ is a folder of
+    scripts, not a package: it is on the path only while the module is imported)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kernel_calls
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return kernel_calls
+
+
+@pytest.fixture(scope="session")
 def multi30k_dir(pytestconfig) -> Path:
     return shared_corpus(pytestconfig, "multi30k", "train.de.gz", "Multi30k")
 

@@ -1,9 +1,6 @@
 """The launch counter of the benchmarks (benchmarks/kernel_calls.py) and the device-path switch
 that lets the CPU count what a GPU launches (fairseq_modattn/modules/device_paths.py)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,20 +8,6 @@ import torch.nn.functional as F
 from fairseq_modattn.modules import device_paths
 from fairseq_modattn.modules.dma_attention import DisentangledMaskAttention
 from fairseq_modattn.modules.gmm import log_softmax_over_clusters
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def kernel_calls():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import kernel_calls
-
-        yield kernel_calls
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
 
 def test_math_path_sdpa_counts_as_one_fused_call_each_way(kernel_calls):
     q = torch.randn(2, 2, 5, 4, requires_grad=True)

@@ -13,13 +13,16 @@ device, so the CPU can count what a GPU pays. ``count_kernel_calls(fn)`` runs ``
 * every compiled kernel: a kernel that inductor generated (C++ on the CPU, Triton on a GPU)
   runs inside its wrapper's ``## Call CompiledFxGraph ...`` region without an ATen operator;
   each appears as one profiler event named after the kernel (``cpp_fused_*``,
-  ``triton_*``) once inductor's ``cpp.enable_kernel_profile`` is on, which
-  ``count_kernel_calls`` switches on for its run. An extern kernel of a compiled graph (a
-  matmul it leaves to ATen) is an ATen call and counts as such.
+  ``triton_*``; torch 2.13 prefixes the graph, ``graph_0_cpp_fused_*``) once inductor's
+  ``cpp.enable_kernel_profile`` is on, which ``count_kernel_calls`` switches on for its run
+  (it must be on when the graph is compiled: inductor writes the event into the kernel's
+  wrapper). An extern kernel of a compiled graph (a matmul it leaves to ATen) is an ATen call
+  and counts as such.
 """
 
 import contextlib
 import itertools
+import re
 from collections import Counter
 from typing import Callable, Dict, Iterable, Iterator
 
@@ -38,6 +41,8 @@ NO_KERNEL_OPS = frozenset(f"aten::{op}" for op in (
 
 #: name prefixes of the events that inductor's generated kernels record (one launch each)
 COMPILED_KERNEL_PREFIXES = ("cpp_fused_", "triton_", "cpp_kernel", "cuda_fused_")
+#: the same, after the ``graph_<n>_`` that torch 2.13's C++ wrapper puts before the kernel's name
+_COMPILED_KERNEL = re.compile(r"(graph_\d+_)?(" + "|".join(map(re.escape, COMPILED_KERNEL_PREFIXES)) + ")")
 
 
 def _children_ops(node) -> Iterator:
@@ -60,7 +65,7 @@ def runs_kernel(node) -> bool:
 
 
 def is_compiled_kernel(node) -> bool:
-    return node.name.startswith(COMPILED_KERNEL_PREFIXES)
+    return _COMPILED_KERNEL.match(node.name) is not None
 
 
 def kernel_calls(nodes: Iterable, math_sdpa_as_fused: bool = False) -> Iterator[str]:

@@ -272,6 +272,18 @@ def test_aux_names_follow_the_module():
     assert dma_compiled.AUX_NAMES == AUX_LOSS_NAMES
 
 
+# ----------------------------------------------------------------------------- the flag
+def test_flag_is_off_by_default_and_reaches_every_module():
+    from test_architectures import build as build_model
+
+    model, args = build_model()
+    assert args.dma_compile is False
+    assert not any(m.compile_math for m in model.dma_modules())
+    model, args = build_model("--dma-compile")
+    assert args.dma_compile is True
+    assert model.dma_modules() and all(m.compile_math for m in model.dma_modules())
+
+
 # ----------------------------------------------------------------------------- launch counting
 @pytest.fixture(scope="module")
 def kernel_calls():

@@ -117,7 +117,7 @@ def step(m, compiled, kind, x, key, kpm, qpm, mask, seed=5, **forward_kwargs):
     return out.detach(), None if weights is None else weights.detach(), aux, grads
 
 
-def assert_matches(compiled, eager, rtol, floors=True):
+def assert_matches(compiled, eager, rtol, floors=True, grad_floor=1e-2):
     out, weights, aux, grads = compiled
     out_e, weights_e, aux_e, grads_e = eager
 
@@ -135,7 +135,7 @@ def assert_matches(compiled, eager, rtol, floors=True):
     assert set(grads) == set(grads_e)
     grad_scale = max(g.abs().max().item() for g in grads_e.values())
     for name in grads_e:
-        close(f"gradient of {name}", grads[name], grads_e[name], 1e-2 * grad_scale if floors else 0.0)
+        close(f"gradient of {name}", grads[name], grads_e[name], grad_floor * grad_scale if floors else 0.0)
 
 
 # ----------------------------------------------------------------------------- the math itself, fp64
@@ -314,3 +314,17 @@ def test_kernel_calls_counts_inductors_kernels(kernel_calls):
     assert len(generated) == 2 and all(counts[name] == 1 for name in generated), counts
     assert counts["aten::mm"] == 3
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", [None], indirect=True)
+@pytest.mark.parametrize("kind", ["dec_self", "enc_dec"])
+def test_restated_math_under_bf16_autocast(backend, kind):
+    # the projections and the attention's products in bf16, the statistics in fp32, as eagerly
+    m = build(kind, "authors")
+    args = inputs(kind, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled, eager = step(m, True, kind, *args), step(m, False, kind, *args)
+    assert compiled[0].dtype == eager[0].dtype == torch.bfloat16
+    # the gradient of the k projection's bias, 0 in exact arithmetic, is bf16 rounding of terms of
+    # the gradients' size
+    assert_matches(compiled, eager, 2e-2, grad_floor=0.1)

@@ -22,7 +22,10 @@ Every contraction over the n_c clusters or the d coordinates of a head is writte
 broadcast product summed over that axis, not as a matmul: inductor fuses it with the
 elementwise work around it (reductions of at most 8 terms are unrolled), where a matmul would
 be an extern call with copies of its operands. The T x S products of the attention stay
-matmuls.
+matmuls, in the shared-logits form of the fused CPU kernel (one logit product for both
+softmaxes, one value product) on every device: ``attention_impl`` does not apply here, and
+the launches counted on the CPU approximate a GPU's (inductor's C++ and Triton code generators
+fuse alike, though not identically; not measured on a GPU).
 
 What stays eager, around the graph: the random draws (the token GMM's sample, the query
 sample, CLUB's negatives) are made in the eager module's order and shapes, so that the compiled

@@ -163,6 +163,7 @@ def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int
         div_form=cfg.dma_div_form,
         per_sentence_losses=cfg.dma_loss_reduction == "sentence",
         gmm_init=cfg.dma_gmm_init,
+        compile_math=safe_getattr(cfg, "dma_compile", False),
         **kwargs,
     )
     module.attention_type = attention_type  # for the authors' per-type reduction
@@ -266,6 +267,12 @@ class DMATransformerModel(TransformerVariantModel):
                                 "'sdpa' (two scaled_dot_product_attention calls, the second with "
                                 "the bias log M; the fast form on CUDA), 'auto' (sdpa on CUDA, "
                                 "fused elsewhere; default). All are exact")
+        group.add_argument("--dma-compile", action="store_true",
+                           help="compile each DMA module's training forward (GMMs, regularisers, mask "
+                                "and attention) into one graph with torch.compile: far fewer kernel "
+                                "launches on a GPU; validation and generation run eagerly, and where "
+                                "torch.compile fails the modules run eagerly (one log line). The "
+                                "first batches compile (about a minute per attention type)")
 
     encoder_class = DMATransformerEncoder
     decoder_class = DMATransformerDecoder
@@ -391,6 +398,7 @@ def dma_base_architecture(args):
     args.dma_div_weight = safe_getattr(args, "dma_div_weight", 1.0)
     args.dma_decoder_mask_at_inference = safe_getattr(args, "dma_decoder_mask_at_inference", False)
     args.dma_attention_impl = safe_getattr(args, "dma_attention_impl", "auto")
+    args.dma_compile = safe_getattr(args, "dma_compile", False)
     base_architecture(args)
 
 

@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import dma_compiled
 from .attention_base import MultiheadAttentionBase
 from .device_paths import path_device
 from .gmm import DiagonalGMM
@@ -122,6 +123,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             "entrywise"), see ``mi_bounds``.
         per_sentence_losses: report each regulariser per sentence (B,) instead of a batch mean.
         gmm_init: "xavier" (the authors') or "spread", see ``gmm.DiagonalGMM.reset_parameters``.
+        compile_math: run training forwards through ``dma_compiled`` (one compiled graph).
     """
 
     cached_state_names = ("log_p", "post")
@@ -149,6 +151,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         div_form: str = "paper",
         per_sentence_losses: bool = False,
         gmm_init: str = "xavier",
+        compile_math: bool = False,
     ):
         super().__init__(
             embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention
@@ -199,6 +202,18 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         #: (B, T) True on padded queries, set by the model for encoder-decoder attention
         self.query_padding_mask: Optional[Tensor] = None
         self.aux_losses: Optional[Dict[str, Tensor]] = None
+        self.compile_math = compile_math
+
+    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None, need_weights=True,
+                static_kv=False, attn_mask=None, before_softmax=False, need_head_weights=False):
+        if self.compile_math and dma_compiled.applies(self, query, key, incremental_state, attn_mask, before_softmax):
+            result = dma_compiled.forward(
+                self, query, key, value, key_padding_mask, attn_mask, need_weights, need_head_weights
+            )
+            if result is not None:  # None: compiling failed, run eagerly
+                return result
+        return super().forward(query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
+                               attn_mask, before_softmax, need_head_weights)
 
     def set_num_updates(self, num_updates: int):
         self.num_updates = num_updates

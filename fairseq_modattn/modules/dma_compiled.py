@@ -1,0 +1,502 @@
+"""DMA's training forward as one compiled graph per module (``--dma-compile``).
+
+On a GPU a DMA training step is launch-bound: every ATen call is a kernel launch (about 10 µs),
+more than the arithmetic of the small per-token tables of the GMMs and regularisers. Here the
+whole training forward of a ``DisentangledMaskAttention`` (projections, both GMMs with their
+VaDE KLs, L_Dqq, L_Dxq, L_dv, the semantic mask and the interpolated attention) is one function
+of tensors, ``dma_math``, which ``torch.compile(fullgraph=True, dynamic=True)`` turns into one
+graph whose backward AOTAutograd derives; inductor fuses its elementwise work and reductions
+into a few kernels, and only the attention's products stay ATen matmuls.
+
+``dma_math`` restates, without custom autograd functions, what the eager module computes (the
+same equations, docstrings of ``gmm``, ``mi_bounds`` and ``interpolated_attention``):
+
+    GMM (gmm._MixtureStatistics), z = x + s eps:
+        J = log N_c + sum_d z_d (mu_cd sigma_cd^-2 - z_d sigma_cd^-2 / 2),   LP = log_softmax_c J,
+        KL = sum_c P (T + d log(2 pi) / 2) - d (log(2 pi) + 1 + log s^2) / 2,
+        T + d log(2 pi) / 2 = -log N_c + s^2 tr_c / 2 + sum_d x_d (x_d sigma^-2 / 2 - mu sigma^-2) + LP;
+    attention (Eq. 5-7): A^ V with A^ = lerp(softmax(S), softmax(S + log M), gamma);
+    regularisers: ``mi_bounds`` (Eq. 9-14) in the forms the module is configured with.
+
+Every contraction over the n_c clusters or the d coordinates of a head is written as a
+broadcast product summed over that axis, not as a matmul: inductor fuses it with the
+elementwise work around it (reductions of at most 8 terms are unrolled), where a matmul would
+be an extern call with copies of its operands. The T x S products of the attention stay
+matmuls, in the shared-logits form of the fused CPU kernel (one logit product for both
+softmaxes, one value product) on every device: ``attention_impl`` does not apply here, and
+the launches counted on the CPU approximate a GPU's (inductor's C++ and Triton code generators
+fuse alike, though not identically; not measured on a GPU).
+
+What stays eager, around the graph: the random draws (the token GMM's sample, the query
+sample, CLUB's negatives) are made in the eager module's order and shapes, so that the compiled
+and the eager forward see the same numbers from the same seed; attention dropout, if any, is
+drawn inside the graph (``torch.rand`` on the mixed weights, as the fused CPU kernel does).
+
+Which forwards take the compiled path (``applies``): training forwards without incremental
+state, weights or beams, with a 2-D (fairseq's future mask) or no attention mask, whose module
+computes a mask or its regularisers; evaluation, validation and incremental decoding run the
+eager module. The graph never sees a Python value that changes between batches: gamma is a
+0-d tensor, padding masks are always tensors (all False without padding) and all sizes are
+symbolic, so the only recompiles are one per module configuration (attention type and flags).
+A batch of one sentence or one token is an exception: torch specialises sizes 0 and 1, so such
+a batch compiles its own graph once.
+
+Where ``torch.compile`` fails (no C++ compiler, an unsupported torch), the first failure is
+logged in one line and every DMA module runs eagerly from then on.
+"""
+
+import logging
+import math
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .gmm import LOG_2PI, group_major_points
+from .mi_bounds import _DIV_COEFFICIENTS, _PADDED_KEY_CRITIC, BOUNDED_QQ_EPS, sample_negatives
+from .precision import at_least_fp32
+
+logger = logging.getLogger(__name__)
+
+#: ``torch.compile``'s backend: a test may choose "aot_eager" (the same graphs and derived
+#: backward, run by ATen without generated kernels), or None: ``dma_math`` runs uncompiled
+BACKEND = "inductor"
+
+
+class MathConfig(NamedTuple):
+    """What ``dma_math`` takes as constants of its graph (dynamo guards on their values, so
+    modules of the same configuration share one graph)."""
+
+    num_heads: int
+    head_dim: int
+    self_attention: bool
+    noise_scale: float  # s, sqrt(noise_var)
+    centroid_grad_mult: float
+    query_gmm_scale: float
+    sample_attention: bool  # sample_inputs == "attention"
+    qq_form: str
+    div_form: str
+    per_sentence: bool
+    need_aux: bool
+    dropout: float
+    weights: str  # what the caller asked for: "none", "mean" (over heads) or "heads"
+
+
+# ----------------------------------------------------------------------------- the math
+def _split(x: Tensor, heads: int, dim: int) -> Tensor:
+    """(N, B, H d) -> (N, B, H, d): a view."""
+    return x.view(x.size(0), x.size(1), heads, dim)
+
+
+def mixture_statistics(
+    x: Tensor, eps: Optional[Tensor], logits: Tensor, means: Tensor, log_vars: Tensor, cfg: MathConfig,
+    need_kl: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """J, LP, P (N, B, H, C) and the VaDE KL (N, B, H) of points x (N, B, H, d) sampled at
+    x + s eps, under the mixtures (G, C[, d]) with G = H or 1 (module docstring; the same
+    equations as ``gmm._MixtureStatistics``, whose backward autograd derives here)."""
+    s, dim = cfg.noise_scale, cfg.head_dim
+    dtype = x.dtype
+    logits, means, log_vars = logits.to(dtype), means.to(dtype), log_vars.to(dtype)
+    if cfg.centroid_grad_mult != 1.0:
+        # the value of the means, their gradient times c_grad (fairseq's GradMultiply)
+        means = means + (cfg.centroid_grad_mult - 1.0) * (means - means.detach())
+    inv_var = torch.exp(-log_vars)  # (G, C, d)
+    scaled_means = means * inv_var
+    log_norm = torch.log_softmax(logits, -1) - 0.5 * (
+        log_vars.sum(-1) + (means * scaled_means).sum(-1) + dim * LOG_2PI
+    )  # log N_c, (G, C)
+    z = x if eps is None else x + s * eps
+    zc = z.unsqueeze(-2)  # (N, B, H, 1, d) against the (G, C, d) parameters
+    log_joint = (zc * (scaled_means - 0.5 * zc * inv_var)).sum(-1) + log_norm
+    log_post = torch.log_softmax(log_joint, -1)
+    post = log_post.exp()
+    kl = None
+    if need_kl:
+        xc = x.unsqueeze(-2)
+        # T + d log(2 pi) / 2; the 2 pi and log N_c constants cancel in sum_c P (.) as sum_c P = 1
+        terms = (xc * (0.5 * xc * inv_var - scaled_means)).sum(-1) + (
+            0.5 * s * s * inv_var.sum(-1) - log_norm
+        ) + log_post
+        kl = (post * terms).sum(-1) - 0.5 * dim * (LOG_2PI + 1.0 + math.log(s * s))
+    return log_joint, log_post, post, kl
+
+
+def _token_mean(values: Tensor, valid: Tensor, per_sentence: bool) -> Tensor:
+    """``mi_bounds.masked_token_mean`` of (B, H, N) values over the real tokens valid (B, N)."""
+    keep = valid.unsqueeze(1).expand_as(values)
+    kept = torch.where(keep, values, 0.0)
+    if per_sentence:
+        return kept.sum((1, 2)) / keep.sum((1, 2)).clamp_min(1)
+    return kept.sum() / keep.sum().clamp_min(1)
+
+
+def _token_weights(valid: Tensor, per_sentence: bool, dtype: torch.dtype) -> Tensor:
+    """``mi_bounds._token_weights``: 1/n on real tokens (of the sentence or the batch), 0 elsewhere."""
+    count = valid.sum(1, keepdim=True, dtype=dtype) if per_sentence else valid.sum(dtype=dtype)
+    return valid / count.clamp_min(1.0)
+
+
+def _weighted_token_sum(values: Tensor, weights: Tensor, per_sentence: bool) -> Tensor:
+    """sum_i w_i v_i over the tokens of (B, N) values: per sentence (B,) or over the batch."""
+    total = values * weights
+    return total.sum(1) if per_sentence else total.sum()
+
+
+def diversity_penalty(post: Tensor, valid: Tensor, form: str, per_sentence: bool) -> Tensor:
+    """L_dv (``mi_bounds._DiversityPenalty``) of one (B, H, N, C) posterior: per sentence and head
+    (alpha ||G||^2 + beta sum_i r_i^2 + tau sum_i r_i + gamma n) / n^k, G = C^T C, r_i = ||C_i||^2,
+    averaged over heads, then per sentence or over the sentences with a real token."""
+    alpha, beta, tau, gamma, power = _DIV_COEFFICIENTS[form]
+    c = torch.where(valid[:, None, :, None], post, 0.0)
+    gram = (c.unsqueeze(-1) * c.unsqueeze(-2)).sum(2)  # (B, H, C, C)
+    rows = (c * c).sum(-1)  # r_i, (B, H, N)
+    per_head = alpha * (gram * gram).sum((-1, -2)) + tau * rows.sum(-1)
+    if beta:
+        per_head = per_head + beta * (rows * rows).sum(-1)
+    count = valid.sum(1, dtype=post.dtype)  # n, (B,)
+    total = per_head.mean(1) + gamma * count
+    denominator = count * count if power == 2 else count
+    if not per_sentence:
+        # the mean over the sentences that have a real token; a sentence without any gives 0 / 1
+        denominator = denominator * (count > 0).sum(dtype=post.dtype)
+        return (total / denominator.clamp_min(1.0)).sum()
+    return total / denominator.clamp_min(1.0)
+
+
+def infonce_bound(post: Tensor, valid: Tensor, per_sentence: bool) -> Tensor:
+    """L_Dxq (``mi_bounds._InfoNCEBound``): mean_i [f_ii - log mean_j exp f_ij] over the real
+    tokens, f = Q Q^T over the real keys (a padded key's critic is -1e4)."""
+    c = torch.where(valid[:, None, :, None], post, 0.0)
+    key_critic = torch.where(valid, 0.0, _PADDED_KEY_CRITIC)[:, None, None, :]  # (B, 1, 1, N)
+    critic = (c.unsqueeze(-2) * c.unsqueeze(-3)).sum(-1) + key_critic  # (B, H, N, N)
+    diagonal = (c * c).sum(-1) + key_critic[:, :, 0]  # f_ii, (B, H, N)
+    scores = (diagonal - torch.logsumexp(critic, -1)).mean(1)  # (B, N)
+    if per_sentence:
+        count = valid.sum(1, dtype=post.dtype).clamp_min(1.0)
+        return count.log() + (scores * valid).sum(1) / count
+    weights = _token_weights(valid, False, post.dtype)
+    log_count = torch.xlogy(valid, valid.sum(1, keepdim=True, dtype=post.dtype))
+    return ((scores + log_count) * weights).sum()
+
+
+def _log_pair_likelihood(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """log sum_c exp(a[b, h, i, c] + b[b, h', i, c]) -> (B, H, H', N), with the shifts and the
+    clamp at log(tiny) of ``logspace.log_matmul_exp``."""
+    shift_a = log_a.amax(-1, keepdim=True)
+    shift_b = log_b.amax(-1, keepdim=True)
+    inner = ((log_a - shift_a).exp().unsqueeze(2) * (log_b - shift_b).exp().unsqueeze(1)).sum(-1)
+    return inner.clamp_min(torch.finfo(inner.dtype).tiny).log() + shift_a.unsqueeze(2).squeeze(-1) + (
+        shift_b.unsqueeze(1).squeeze(-1)
+    )
+
+
+def head_dependence_bound(
+    log_joint: Tensor, log_post: Tensor, post: Tensor, valid: Tensor, negatives: Optional[Tensor], cfg: MathConfig
+) -> Tensor:
+    """L_Dqq (``mi_bounds.head_dependence_bound``) of the query GMM's (B, H, N, C) statistics."""
+    bsz, heads, length, _ = log_joint.shape
+    per_sentence = cfg.per_sentence
+    if heads < 2:
+        return log_joint.new_zeros((bsz,) if per_sentence else ())
+    off_diagonal = ~torch.eye(heads, dtype=torch.bool, device=log_joint.device)
+    if cfg.qq_form == "bounded":
+        logits = torch.where(valid[:, None, :, None], log_joint, torch.finfo(log_joint.dtype).min)
+        token_given_c = torch.softmax(logits, 2)
+        pair = (token_given_c.unsqueeze(2) * post.unsqueeze(1)).sum(-1)  # P[h, h'], (B, H, H', N)
+        penalty = torch.where(off_diagonal[:, :, None], torch.log1p(BOUNDED_QQ_EPS - pair.clamp_max(1.0)), 0.0)
+        per_token = penalty.sum((1, 2))  # (B, N)
+        return _weighted_token_sum(per_token, _token_weights(valid, per_sentence, per_token.dtype), per_sentence) * (
+            -1.0 / heads**2
+        )
+    # CLUB with one sampled negative per query (mi_bounds.head_dependence_estimates)
+    masked = torch.where(valid[:, None, :, None], log_joint, float("-inf"))
+    log_token_given_c = log_joint - torch.logsumexp(masked, 2, keepdim=True)
+    positive = _log_pair_likelihood(log_token_given_c, log_post)
+    index = negatives.view(bsz, 1, length, 1).expand(-1, heads, -1, log_joint.size(-1))
+    negative = _log_pair_likelihood(log_token_given_c.gather(2, index), log_post)
+    keep = valid[:, None, None, :]
+    total = torch.where(keep, positive - negative, 0.0).sum(3 if per_sentence else (0, 3))
+    count = valid.sum(1).view(-1, 1, 1) if per_sentence else valid.sum()
+    estimates = total / count.clamp_min(1).to(total.dtype)  # (B|, H, H')
+    clamped = torch.where(off_diagonal, estimates.clamp_min(0.0), 0.0)
+    return clamped.sum((-1, -2)) / (heads * (heads - 1))
+
+
+def interpolated_attention(
+    q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, post_k: Tensor, attn_mask: Optional[Tensor],
+    key_padding: Tensor, gamma: Tensor, dropout: float,
+) -> Tuple[Tensor, Tensor]:
+    """A^ V (``interpolated_attention``) and A^ (before dropout) for q (B, H, T, d), k, v
+    (B, H, S, d) and posteriors (B, H, T|S, C); masks: fairseq's additive (T, S) attn_mask and
+    the (B, S) key padding."""
+    dtype = post_q.dtype
+    logits = torch.matmul(q, k.transpose(-1, -2)).to(dtype) * q.size(-1) ** -0.5
+    if attn_mask is not None:
+        logits = logits + attn_mask.to(dtype)
+    logits = logits.masked_fill(key_padding[:, None, None, :], float("-inf"))
+    inner = (post_q.unsqueeze(-2) * post_k.unsqueeze(-3)).sum(-1)  # M, (B, H, T, S)
+    log_m = inner.clamp_min(torch.finfo(dtype).tiny).log()
+    weights = torch.lerp(torch.softmax(logits, -1), torch.softmax(logits + log_m, -1), gamma.to(dtype))
+    mixed = weights
+    if dropout > 0.0:
+        keep = torch.rand(mixed.shape, device=mixed.device) >= dropout
+        mixed = mixed * keep * (1.0 / (1.0 - dropout))
+    return torch.matmul(mixed.to(v.dtype), v), weights
+
+
+def dma_math(
+    query: Tensor,
+    key: Optional[Tensor],
+    value: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    key_padding: Tensor,
+    query_padding: Tensor,
+    token_noise: Tensor,
+    key_token_noise: Optional[Tensor],
+    query_noise: Optional[Tensor],
+    negatives: Optional[Tensor],
+    gamma: Tensor,
+    projections: Tuple[Optional[Tensor], ...],
+    token_gmm: Tuple[Tensor, Tensor, Tensor],
+    query_gmm: Tuple[Tensor, Tensor, Tensor],
+    cfg: MathConfig,
+) -> Tuple[Tensor, ...]:
+    """One DMA module's training forward: (out (T, B, E),) and, with ``cfg.need_aux``, the
+    regularisers KL, L_Dqq, L_Dxq, L_dv as ``DisentangledMaskAttention.regularisers`` gives them,
+    stacked (4[, B]), then the weights that ``cfg.weights`` asks for.
+
+    query (T, B, E); key, value (S, B, E) (None for self-attention: the query's input);
+    key_padding (B, S) and query_padding (B, T): True on padding (all False without);
+    token_noise: eps of the token GMM's sample of the queries' input, (T, B, E) with "attention"
+    sampling (the projections read the sample too), else (T, B, H, d); key_token_noise: the
+    same for the keys' input of encoder-decoder attention; query_noise (B, H, T, d): eps' of the
+    query sample ("attention" sampling) or None; negatives (B, T): CLUB's sampled tokens (or
+    None); gamma: 0-d; projections: (W, b) of q, k, v, out; token_gmm, query_gmm: (logits,
+    means, log_vars)."""
+    heads, dim, s = cfg.num_heads, cfg.head_dim, cfg.noise_scale
+    wq, bq, wk, bk, wv, bv, wo, bo = projections
+    dtype = at_least_fp32(query)
+    tgt_len, bsz, embed = query.shape
+    if key is None:
+        key = value = query
+    sides = [(query, token_noise)] if cfg.self_attention else [(query, token_noise), (key, key_token_noise)]
+
+    # projections; "attention" sampling: the queries' (encoder-decoder: also the keys') input is the sample
+    def sample(x: Tensor, noise: Tensor) -> Tensor:
+        return x + s * noise if cfg.sample_attention else x
+
+    q = nn.functional.linear(sample(query, token_noise), wq, bq)
+    k_input = key if cfg.self_attention else sample(key, key_token_noise)
+    k = nn.functional.linear(k_input, wk, bk)
+    v = nn.functional.linear(value, wv, bv)
+
+    # the token GMM of each side's input (its clean input, sampled at x + s eps)
+    stats = []
+    for x, noise in sides:
+        eps = _split(noise, heads, dim) if cfg.sample_attention else noise
+        stats.append(
+            mixture_statistics(_split(x, heads, dim).to(dtype), eps.to(dtype), *token_gmm, cfg, cfg.need_aux)
+        )
+    q_stats, k_stats = stats[0], stats[-1]
+
+    def heads_first(t: Tensor) -> Tensor:  # (N, B, H, *) -> (B, H, N, *)
+        return t.permute(1, 2, 0, *range(3, t.dim()))
+
+    q = heads_first(_split(q, heads, dim))
+    k = heads_first(_split(k, heads, dim))
+    v = heads_first(_split(v, heads, dim))
+
+    aux: Tuple[Tensor, ...] = ()
+    if cfg.need_aux:
+        key_valid = ~key_padding
+        query_valid = key_valid if cfg.self_attention else ~query_padding
+        u = q if cfg.query_gmm_scale == 1.0 else q * cfg.query_gmm_scale
+        u = u.to(dtype)
+        eps = None if query_noise is None else query_noise.to(dtype)
+        log_joint, log_post, query_post, query_kl = mixture_statistics(u, eps, *query_gmm, cfg, True)
+        token_post = heads_first(q_stats[2])
+        kl = _token_mean(heads_first(q_stats[3]), query_valid, cfg.per_sentence)
+        div = diversity_penalty(token_post, query_valid, cfg.div_form, cfg.per_sentence)
+        if not cfg.self_attention:
+            key_kl = _token_mean(heads_first(k_stats[3]), key_valid, cfg.per_sentence)
+            key_div = diversity_penalty(heads_first(k_stats[2]), key_valid, cfg.div_form, cfg.per_sentence)
+            both = 1.0 if cfg.per_sentence else 0.5
+            kl, div = both * (kl + key_kl), both * (div + key_div)
+        dqq = head_dependence_bound(log_joint, log_post, query_post, query_valid, negatives, cfg)
+        # one output for the four: AOTAutograd copies each incoming gradient that is not laid out
+        # as traced (here the expanded gradients of sums), one launch each
+        aux = (torch.stack([
+            kl + _token_mean(query_kl, query_valid, cfg.per_sentence),
+            dqq,
+            infonce_bound(query_post, query_valid, cfg.per_sentence),
+            div + diversity_penalty(query_post, query_valid, cfg.div_form, cfg.per_sentence),
+        ]),)
+
+    if query_noise is not None:  # q~ = (u + s eps') / scale
+        q = q + query_noise * (s / cfg.query_gmm_scale)
+    out, weights = interpolated_attention(
+        q, k, v, heads_first(q_stats[2]), heads_first(k_stats[2]), attn_mask, key_padding, gamma, cfg.dropout
+    )
+    out = nn.functional.linear(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed), wo, bo)
+    if cfg.weights == "none":
+        return (out, *aux)
+    # what MultiheadAttentionBase.forward returns: per head (H, B, T, S) or their mean (B, T, S)
+    weights = weights.to(out.dtype)
+    return (out, *aux, weights.transpose(0, 1) if cfg.weights == "heads" else weights.mean(1))
+
+
+# ----------------------------------------------------------------------------- the module's side
+#: the names of ``dma_math``'s regularisers, in its order (``DisentangledMaskAttention.regularisers``')
+AUX_NAMES = ("kl", "dqq", "dxq", "div")
+
+
+class _State:
+    """The process's compiled ``dma_math`` (built at first use) and whether compiling failed."""
+
+    compiled = None
+    failed = False
+
+
+def reset():
+    """Forget the compiled function and a failure (a test that changes ``BACKEND``)."""
+    _State.compiled, _State.failed = None, False
+
+
+def _compiled_math():
+    if _State.compiled is None:
+        _State.compiled = (
+            dma_math if BACKEND is None else torch.compile(dma_math, fullgraph=True, dynamic=True, backend=BACKEND)
+        )
+    return _State.compiled
+
+
+def applies(module, query: Tensor, key: Optional[Tensor], incremental_state, attn_mask: Optional[Tensor],
+            before_softmax: bool) -> bool:
+    """Whether this forward of ``module`` (a DisentangledMaskAttention with ``compile_math``) takes
+    the compiled path (module docstring): training, no incremental state, fairseq's masks, and a
+    mask or regularisers to compute."""
+    if _State.failed or not module.training or incremental_state is not None or before_softmax:
+        return False
+    if not (module.collect_aux or module.gamma != 0.0):
+        return False  # plain attention: nothing to compile
+    if attn_mask is not None and (attn_mask.dim() != 2 or not attn_mask.is_floating_point()):
+        return False
+    if not module.self_attention and (key is None or key.size(1) != query.size(1)):
+        return False
+    return all(type(p) is nn.Linear for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj))
+
+
+_gamma_cache: Dict[Tuple[float, torch.device], Tensor] = {}
+
+
+def _gamma_tensor(gamma: float, device: torch.device) -> Tensor:
+    """gamma as a 0-d tensor, one per value and device (a graph input, so that the annealed
+    gamma of every update does not recompile the graph)."""
+    key = (gamma, device)
+    if key not in _gamma_cache:
+        if len(_gamma_cache) > 16:
+            _gamma_cache.clear()
+        _gamma_cache[key] = torch.tensor(gamma, dtype=torch.float32, device=device)
+    return _gamma_cache[key]
+
+
+def _projection_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of a projection of x: autocast's where it is on."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _gmm_draws(module, x: Tensor, concatenated: bool) -> Tensor:
+    """The token GMM's own draws for the input x (N, B, E) as (N, B, H, d): eps of the point
+    x[n, b, h], drawn as ``DiagonalGMM`` draws it (in the order its points lie in memory), or, for
+    ``concatenated`` (encoder-decoder attention's sides), as ``token_states`` draws each side."""
+    heads, dim = module.num_heads, module.head_dim
+    dtype = at_least_fp32(x)
+    if concatenated:
+        draw = torch.randn(heads, x.size(0) * x.size(1), dim, dtype=dtype, device=x.device)
+        return draw.view(heads, x.size(0), x.size(1), dim).permute(1, 2, 0, 3)
+    points, restore = group_major_points(x.view(x.size(0), x.size(1), heads, dim).permute(1, 2, 0, 3).to(dtype), heads)
+    return restore(torch.randn(points.shape, dtype=dtype, device=x.device)).permute(2, 0, 1, 3)
+
+
+def config_of(module, weights: str) -> MathConfig:
+    return MathConfig(
+        num_heads=module.num_heads,
+        head_dim=module.head_dim,
+        self_attention=module.self_attention,
+        noise_scale=math.sqrt(module.noise_var),
+        centroid_grad_mult=float(module.token_gmm.centroid_grad_mult),
+        query_gmm_scale=float(module.query_gmm_scale),
+        sample_attention=module.sample_inputs == "attention",
+        qq_form=module.qq_form,
+        div_form=module.div_form,
+        per_sentence=module.per_sentence_losses,
+        need_aux=module.collect_aux,
+        dropout=float(module.dropout),
+        weights=weights,
+    )
+
+
+def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
+            key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], need_weights: bool,
+            need_head_weights: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """``module``'s training forward through the compiled ``dma_math`` (where ``applies``), with
+    ``MultiheadAttentionBase.forward``'s arguments and result; sets ``module.aux_losses`` while
+    ``collect_aux`` is on. None where compiling failed: the caller then runs the eager module."""
+    weights = "heads" if need_head_weights else "mean" if need_weights else "none"
+    cfg = config_of(module, weights)
+    tgt_len, bsz, _ = query.shape
+    self_attention = module.self_attention
+    if self_attention:
+        key = value = None
+
+    # the random draws of the eager forward, in its order: the token GMM's sample of each side
+    # (token_states), the query sample (attend), CLUB's negatives (regularisers)
+    key_token_noise = None
+    if cfg.sample_attention:
+        token_noise = torch.randn_like(query)
+        if not self_attention:
+            key_token_noise = torch.randn_like(key)
+    else:
+        token_noise = _gmm_draws(module, query, concatenated=not self_attention)
+        if not self_attention:
+            key_token_noise = _gmm_draws(module, key, concatenated=True)
+    query_noise = None
+    if cfg.sample_attention:
+        shape = (bsz, module.num_heads, tgt_len, module.head_dim)
+        query_noise = torch.randn(shape, dtype=_projection_dtype(query), device=query.device)
+    src_len = tgt_len if self_attention else key.size(0)
+    key_padding = (
+        query.new_zeros((bsz, src_len), dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool()
+    )
+    query_padding_mask = key_padding_mask if self_attention else module.query_padding_mask
+    query_padding = (
+        query.new_zeros((bsz, tgt_len), dtype=torch.bool) if query_padding_mask is None else query_padding_mask.bool()
+    )
+    negatives = None
+    if cfg.need_aux and cfg.qq_form == "club":
+        query_valid = None if query_padding_mask is None else ~query_padding
+        negatives = sample_negatives(query_valid, bsz, tgt_len, query.device)
+
+    projections = tuple(t for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj) for t in (p.weight, p.bias))
+    gmms = tuple((g.logits, g.means, g.log_vars) for g in (module.token_gmm, module.query_gmm))
+    args = (query, key, value, attn_mask, key_padding, query_padding, token_noise, key_token_noise, query_noise,
+            negatives, _gamma_tensor(module.gamma, query.device), projections, *gmms, cfg)
+    try:
+        # the configuration's floats are constants of the graph: as symbolic floats (dynamic=True's
+        # default) dynamo would specialise them one by one, restarting its analysis
+        with torch._dynamo.config.patch(specialize_float=True):
+            results = _compiled_math()(*args)
+    except Exception as error:  # noqa: BLE001 - any failure of the compiler: run eagerly
+        _State.failed = True
+        summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        logger.warning("--dma-compile: torch.compile failed (%s: %s); DMA attention runs eagerly",
+                       type(error).__name__, summary[:300])
+        return None
+    if cfg.need_aux:
+        module.aux_losses = dict(zip(AUX_NAMES, results[1].unbind(0)))
+    return results[0], (results[-1] if weights != "none" else None)

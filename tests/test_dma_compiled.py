@@ -1,0 +1,330 @@
+"""The compiled DMA path (``--dma-compile``, modules/dma_compiled.py) against the eager module.
+
+Every comparison runs a training forward and backward of the same module twice from the same
+seed, eagerly and through the compiled path (whose random draws are made in the eager order,
+outside the graph; attention dropout, inside it, draws through ATen with
+``torch._inductor.config.fallback_random``), and compares the output, every regulariser of
+``aux_losses`` and the gradient of every parameter and input.
+
+Tolerances. fp64 (``dma_math`` uncompiled): 1e-10 relative, the restated math is the eager
+module's. fp32: |compiled - eager| <= 1e-5 max(max |eager|, floor) per tensor, with two floors
+for values that are small differences of large terms, whose fp32 rounding is of the terms'
+size: a gradient's floor is 1e-2 of the largest gradient of the module (the k projection's bias
+has the exact gradient 0, as softmax ignores a shift of a row of logits, and holds only
+rounding); a regulariser's floor is 1 (L_Dxq = log n + mean_i (f_ii - log sum_j exp f_ij) is a
+difference of terms of size log n).
+
+Compiling takes time on a small CPU (on 2 cores: dynamo and AOTAutograd about 20 s per module
+configuration, inductor's C++ kernels a minute or two more), so the default suite compiles with
+the "aot_eager" backend (the same graphs, the backward that AOTAutograd derives, run by ATen) and
+the inductor comparisons are marked slow (``-m slow``).
+"""
+
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attention_helpers import causal_mask, make_dma, padding
+
+import fairseq_modattn  # noqa: F401  (registers the plugin)
+from fairseq_modattn.modules import dma_compiled
+from fairseq_modattn.modules.dma_attention import AUX_LOSS_NAMES
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+#: the objective's settings: the authors' code ("attention" sampling, scaled query GMM, bounded
+#: L_Dqq, entrywise L_dv, per-sentence values) and the paper's text (the module's defaults)
+OBJECTIVES = {
+    "authors": dict(sample_inputs="attention", query_gmm_input="scaled", qq_form="bounded",
+                    div_form="entrywise", per_sentence_losses=True),
+    "paper": {},
+}
+KINDS = {"enc_self": dict(self_attention=True), "dec_self": dict(self_attention=True),
+         "enc_dec": dict(encoder_decoder_attention=True)}
+
+compile_works = hasattr(torch, "compile") and torch._dynamo.is_dynamo_supported()
+needs_compile = pytest.mark.skipif(not compile_works, reason="torch.compile is not supported on this Python/torch")
+needs_cxx = pytest.mark.skipif(
+    not compile_works or not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+    reason="inductor needs a C++ compiler on the CPU",
+)
+
+
+@pytest.fixture
+def backend(request):
+    """Compile ``dma_math`` with the backend the test names (``indirect`` parameter); dynamo's
+    cache is cleared when the backend changes, as its entries of one backend count against the
+    recompile limit of the others."""
+    name = request.param
+    previous = dma_compiled.BACKEND
+    if name != previous:
+        torch._dynamo.reset()
+    dma_compiled.BACKEND = name
+    dma_compiled.reset()
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fallback_random=True):
+        yield name
+    dma_compiled.BACKEND = previous
+    dma_compiled.reset()
+
+
+def build(kind, objective, dtype=torch.float32, **kwargs):
+    m = make_dma(1, embed_dim=32, heads=4, clusters=4, num_updates=3000, centroid_grad_mult=3.0,
+                 **KINDS[kind], **OBJECTIVES[objective], **kwargs).to(dtype)
+    return m
+
+
+def inputs(kind, padded, dtype=torch.float32, bsz=3, tgt_len=7, src_len=9, seed=0):
+    """query input, key input, key padding, query padding (encoder-decoder) and attn_mask."""
+    g = torch.Generator().manual_seed(seed)
+    src_len = tgt_len if kind != "enc_dec" else src_len
+    x = torch.randn(tgt_len, bsz, 32, generator=g, dtype=dtype)
+    key = x if kind != "enc_dec" else torch.randn(src_len, bsz, 32, generator=g, dtype=dtype)
+    kpm = padding([src_len] + [src_len - 2 - i for i in range(bsz - 1)], src_len) if padded else None
+    qpm = padding([tgt_len, 2] + [tgt_len - 1] * (bsz - 2), tgt_len) if padded and kind == "enc_dec" else None
+    mask = causal_mask(tgt_len, dtype) if kind == "dec_self" else None
+    return x, key, kpm, qpm, mask
+
+
+def step(m, compiled, kind, x, key, kpm, qpm, mask, seed=5, **forward_kwargs):
+    """One training forward and backward from ``seed``: (output, weights, aux_losses, gradients)."""
+    m.compile_math = compiled
+    m.train()
+    m.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    key = x if kind != "enc_dec" else key.detach().clone().requires_grad_()
+    m.collect_aux, m.query_padding_mask = True, qpm
+    torch.manual_seed(seed)
+    forward_kwargs = {"need_weights": False, **forward_kwargs}
+    out, weights = m(x, key, key, key_padding_mask=kpm, attn_mask=mask, **forward_kwargs)
+    aux = dict(m.aux_losses)
+    m.collect_aux, m.query_padding_mask, m.aux_losses = False, None, None
+    g = torch.Generator().manual_seed(1)
+    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
+    loss = loss + sum((i + 1.0) * v.sum() for i, v in enumerate(aux.values()))
+    if weights is not None:
+        loss = loss + (weights * torch.randn(weights.shape, generator=g, dtype=weights.dtype)).sum()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in m.named_parameters()}
+    grads["input"] = x.grad.clone()
+    if kind == "enc_dec":
+        grads["key input"] = key.grad.clone()
+    return out.detach(), None if weights is None else weights.detach(), aux, grads
+
+
+def assert_matches(compiled, eager, rtol, floors=True, grad_floor=1e-2):
+    out, weights, aux, grads = compiled
+    out_e, weights_e, aux_e, grads_e = eager
+
+    def close(name, a, b, floor=0.0):
+        scale = max(b.abs().max().item(), floor)
+        err = (a - b).abs().max().item()
+        assert err <= rtol * scale, f"{name}: max error {err:.2e}, {err / scale:.1e} of {scale:.2e}"
+
+    close("output", out, out_e)
+    if weights_e is not None:
+        close("weights", weights, weights_e)
+    assert set(aux) == set(aux_e) == set(AUX_LOSS_NAMES)
+    for name in AUX_LOSS_NAMES:
+        close(f"aux {name}", aux[name], aux_e[name], 1.0 if floors else 0.0)
+    assert set(grads) == set(grads_e)
+    grad_scale = max(g.abs().max().item() for g in grads_e.values())
+    for name in grads_e:
+        close(f"gradient of {name}", grads[name], grads_e[name], grad_floor * grad_scale if floors else 0.0)
+
+
+# ----------------------------------------------------------------------------- the math itself, fp64
+@pytest.mark.parametrize("backend", [None], indirect=True)
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_restated_math_equals_the_module_in_fp64(backend, kind, objective):
+    m = build(kind, objective, torch.float64)
+    for padded in (False, True):
+        args = inputs(kind, padded, torch.float64)
+        assert_matches(step(m, True, kind, *args), step(m, False, kind, *args), 1e-10)
+
+
+@pytest.mark.parametrize("backend", [None], indirect=True)
+def test_restated_math_with_dropout_weights_and_gamma_zero_in_fp64(backend):
+    # attention dropout draws in the graph, as the fused kernel draws (one block of sentences)
+    m = build("dec_self", "authors", torch.float64, dropout=0.2)
+    args = inputs("dec_self", True, torch.float64)
+    assert_matches(step(m, True, "dec_self", *args), step(m, False, "dec_self", *args), 1e-10)
+    # the per-head weights and their mean, which fairseq's alignment layer asks for
+    m = build("enc_dec", "paper", torch.float64)
+    args = inputs("enc_dec", True, torch.float64)
+    for weights in ({"need_head_weights": True}, {"need_weights": True}):
+        assert_matches(step(m, True, "enc_dec", *args, **weights), step(m, False, "enc_dec", *args, **weights),
+                       1e-10)
+    # gamma = 0 (the first update): the graph mixes in the mask with weight 0, the eager module
+    # runs plain attention
+    m.set_num_updates(0)
+    assert m.gamma == 0.0
+    assert_matches(step(m, True, "enc_dec", *args), step(m, False, "enc_dec", *args), 1e-10)
+
+
+# ----------------------------------------------------------------------------- compiled, fp32
+#: (kind, objective, forward kwargs, module kwargs): each attention type, both objectives, the
+#: weights fairseq's alignment layer asks for and attention dropout, in four graphs
+CASES = [
+    ("enc_self", "authors", {}, {}),
+    ("dec_self", "paper", {}, {"dropout": 0.1}),
+    ("enc_dec", "authors", {}, {}),
+    ("enc_dec", "paper", {"need_head_weights": True}, {}),
+]
+
+
+def compare_compiled(kind, objective, forward_kwargs, module_kwargs):
+    m = build(kind, objective, **module_kwargs)
+    for padded in (False, True):
+        args = inputs(kind, padded)
+        assert_matches(step(m, True, kind, *args, **forward_kwargs), step(m, False, kind, *args, **forward_kwargs),
+                       1e-5)
+
+
+@needs_compile
+@pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)
+@pytest.mark.parametrize("kind, objective, forward_kwargs, module_kwargs", CASES)
+def test_compiled_graph_matches_eager(backend, kind, objective, forward_kwargs, module_kwargs):
+    compare_compiled(kind, objective, forward_kwargs, module_kwargs)
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("backend", ["inductor"], indirect=True)
+@pytest.mark.parametrize("kind, objective, forward_kwargs, module_kwargs", CASES)
+def test_inductor_matches_eager(backend, kind, objective, forward_kwargs, module_kwargs):
+    compare_compiled(kind, objective, forward_kwargs, module_kwargs)
+
+
+# ----------------------------------------------------------------------------- recompiles
+def compiled_graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def check_no_recompiles(kind):
+    """One graph for a module over batch shapes, padding and gamma values."""
+    torch._dynamo.reset()
+    dma_compiled.reset()
+    m = build(kind, "authors")
+    before, gammas = compiled_graphs(), set()
+    shapes = [dict(bsz=3, tgt_len=7, src_len=9), dict(bsz=5, tgt_len=11, src_len=6)]
+    for num_updates in (500, 900):  # gamma still rising (alpha = 0.5)
+        m.set_num_updates(num_updates)
+        gammas.add(m.gamma)
+        for shape in shapes:
+            for padded in (False, True):
+                step(m, True, kind, *inputs(kind, padded, **shape))
+    assert len(gammas) == 2
+    assert compiled_graphs() - before == 1
+
+
+@needs_compile
+@pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)
+def test_no_recompiles_across_shapes_padding_and_gamma(backend):
+    check_no_recompiles("dec_self")
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("backend", ["inductor"], indirect=True)
+def test_inductor_no_recompiles_across_shapes_padding_and_gamma(backend):
+    check_no_recompiles("enc_dec")
+
+
+# ----------------------------------------------------------------------------- when it does not compile
+def failing_backend(graph, example_inputs):
+    raise RuntimeError("no C++ compiler (a test's backend)")
+
+
+@needs_compile
+@pytest.mark.parametrize("backend", [failing_backend], indirect=True)
+def test_failed_compile_falls_back_to_eager_with_one_log_line(backend, caplog):
+    m = build("enc_self", "authors")
+    args = inputs("enc_self", True)
+    with caplog.at_level(logging.WARNING, logger=dma_compiled.__name__):
+        first = step(m, True, "enc_self", *args)
+        second = step(m, True, "enc_self", *args)
+    records = [r for r in caplog.records if r.name == dma_compiled.__name__]
+    assert len(records) == 1 and "runs eagerly" in records[0].getMessage()
+    assert all(torch.isfinite(t).all() for t in (first[0], *first[2].values()))
+    # from then on the module is the eager one, draws included
+    assert_matches(second, step(m, False, "enc_self", *args), 0.0, floors=False)
+
+
+def test_evaluation_and_decoding_run_eagerly():
+    m = build("dec_self", "authors", compile_math=True).eval()
+    x, _, kpm, _, mask = inputs("dec_self", True)
+    assert not dma_compiled.applies(m, x, x, None, mask, False)
+    m.train()
+    assert dma_compiled.applies(m, x, x, None, mask, False)
+    assert not dma_compiled.applies(m, x, x, {}, mask, False)  # incremental decoding
+    m.set_num_updates(0)  # gamma 0 and no regularisers: plain attention, nothing to compile
+    assert not dma_compiled.applies(m, x, x, None, mask, False)
+
+
+def test_aux_names_follow_the_module():
+    assert dma_compiled.AUX_NAMES == AUX_LOSS_NAMES
+
+
+# ----------------------------------------------------------------------------- the flag
+def test_flag_is_off_by_default_and_reaches_every_module():
+    from test_architectures import build as build_model
+
+    model, args = build_model()
+    assert args.dma_compile is False
+    assert not any(m.compile_math for m in model.dma_modules())
+    model, args = build_model("--dma-compile")
+    assert args.dma_compile is True
+    assert model.dma_modules() and all(m.compile_math for m in model.dma_modules())
+
+
+# ----------------------------------------------------------------------------- launch counting
+@pytest.fixture(scope="module")
+def kernel_calls():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import kernel_calls
+
+        yield kernel_calls
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@needs_cxx
+def test_kernel_calls_counts_inductors_kernels(kernel_calls):
+    import torch._inductor.config as inductor_config
+
+    def f(x, w):
+        return torch.softmax(x @ w, -1).exp().sum()
+
+    torch._dynamo.reset()
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        compiled = torch.compile(f, fullgraph=True, dynamic=True)
+        x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4, requires_grad=True)
+        compiled(x, w).backward()
+    counts = kernel_calls.count_kernel_calls(lambda: compiled(x, w).backward())
+    generated = [name for name in counts if "cpp_fused" in name]
+    # one fused kernel forward, one backward; the matmul and its two gradients are ATen calls
+    assert len(generated) == 2 and all(counts[name] == 1 for name in generated), counts
+    assert counts["aten::mm"] == 3
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", [None], indirect=True)
+@pytest.mark.parametrize("kind", ["dec_self", "enc_dec"])
+def test_restated_math_under_bf16_autocast(backend, kind):
+    # the projections and the attention's products in bf16, the statistics in fp32, as eagerly
+    m = build(kind, "authors")
+    args = inputs(kind, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled, eager = step(m, True, kind, *args), step(m, False, kind, *args)
+    assert compiled[0].dtype == eager[0].dtype == torch.bfloat16
+    # the gradient of the k projection's bias, 0 in exact arithmetic, is bf16 rounding of terms of
+    # the gradients' size
+    assert_matches(compiled, eager, 2e-2, grad_floor=0.1)

@@ -265,7 +265,7 @@ def dma_math(
 ) -> Tuple[Tensor, ...]:
     """One DMA module's training forward: (out (T, B, E),) and, with ``cfg.need_aux``, the
     regularisers KL, L_Dqq, L_Dxq, L_dv as ``DisentangledMaskAttention.regularisers`` gives them,
-    stacked (4[, B]), then the weights that ``cfg.weights`` asks for.
+    then the weights that ``cfg.weights`` asks for.
 
     query (T, B, E); key, value (S, B, E) (None for self-attention: the query's input);
     key_padding (B, S) and query_padding (B, T): True on padding (all False without);
@@ -325,14 +325,12 @@ def dma_math(
             both = 1.0 if cfg.per_sentence else 0.5
             kl, div = both * (kl + key_kl), both * (div + key_div)
         dqq = head_dependence_bound(log_joint, log_post, query_post, query_valid, negatives, cfg)
-        # one output for the four: AOTAutograd copies each incoming gradient that is not laid out
-        # as traced (here the expanded gradients of sums), one launch each
-        aux = (torch.stack([
+        aux = (
             kl + _token_mean(query_kl, query_valid, cfg.per_sentence),
             dqq,
             infonce_bound(query_post, query_valid, cfg.per_sentence),
             div + diversity_penalty(query_post, query_valid, cfg.div_form, cfg.per_sentence),
-        ]),)
+        )
 
     if query_noise is not None:  # q~ = (u + s eps') / scale
         q = q + query_noise * (s / cfg.query_gmm_scale)
@@ -498,5 +496,5 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
                        type(error).__name__, summary[:300])
         return None
     if cfg.need_aux:
-        module.aux_losses = dict(zip(AUX_NAMES, results[1].unbind(0)))
+        module.aux_losses = dict(zip(AUX_NAMES, results[1:5]))
     return results[0], (results[-1] if weights != "none" else None)

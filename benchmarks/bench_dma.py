@@ -68,6 +68,7 @@ Examples:
     python benchmarks/bench_dma.py --device cuda --repeats 10 --warmup 3
     python benchmarks/bench_dma.py --quick                          # smoke run, seconds
     python benchmarks/bench_dma.py --count-ops --no-train --no-generate   # GPU launches, on any device
+    python benchmarks/bench_dma.py --quick --count-ops --no-train --no-generate --compile   # the same, DMA compiled
 """
 
 import argparse
@@ -389,6 +390,9 @@ def get_parser():
     p.add_argument("--count-ops", action="store_true",
                    help="also count the kernel-running ATen ops of one training step per model and length "
                         "(what a GPU pays in kernel launches; measurable on any device)")
+    p.add_argument("--compile", action="store_true",
+                   help="build the DMA model with --dma-compile (its training forwards compiled by torch.compile; "
+                        "inductor's kernels then record profiler events, so that --count-ops counts them)")
     p.add_argument("--profile", type=int, default=None, metavar="L",
                    help="also print the top 15 ops (self time) of one DMA training step at length L")
     return p
@@ -399,7 +403,14 @@ def main(argv=None):
     device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
 
     d = synthetic_dictionary(cfg.dict_size)
-    entries = [build(name, arch, crit, cfg, d, d, device) for name, arch, crit in MODELS]
+    if cfg.compile:
+        # before anything compiles: the kernels' profiler events are written into their code
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
+    compiled = argparse.Namespace(**{**vars(cfg), "model_args": [*cfg.model_args, "--dma-compile"]})
+    entries = [build(name, arch, crit, compiled if cfg.compile and name == "dma" else cfg, d, d, device)
+               for name, arch, crit in MODELS]
     dma = entries[1]["model"]
     a = entries[1]["args"]
     print(versions_line(device))
@@ -463,6 +474,12 @@ def main(argv=None):
         print("the same self time, and the kernel ops, by the Python function that issued the op:")
         print(source_table)
 
+    if cfg.compile:
+        from fairseq_modattn.modules import dma_compiled
+
+        results["dma_compile_failed"] = dma_compiled.compile_failed()
+        if results["dma_compile_failed"]:
+            print("\n--compile: torch.compile failed, the DMA model ran eagerly (from the first failure on)")
     write_json(cfg.json, results)
     print(f"\nresults written to {cfg.json}")
     return results

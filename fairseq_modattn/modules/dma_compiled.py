@@ -45,6 +45,7 @@ Where ``torch.compile`` fails (no C++ compiler, an unsupported torch), the first
 logged in one line and every DMA module runs eagerly from then on.
 """
 
+import inspect
 import logging
 import math
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -265,7 +266,7 @@ def dma_math(
 ) -> Tuple[Tensor, ...]:
     """One DMA module's training forward: (out (T, B, E),) and, with ``cfg.need_aux``, the
     regularisers KL, L_Dqq, L_Dxq, L_dv as ``DisentangledMaskAttention.regularisers`` gives them,
-    stacked (4[, B]), then the weights that ``cfg.weights`` asks for.
+    then the weights that ``cfg.weights`` asks for.
 
     query (T, B, E); key, value (S, B, E) (None for self-attention: the query's input);
     key_padding (B, S) and query_padding (B, T): True on padding (all False without);
@@ -325,14 +326,12 @@ def dma_math(
             both = 1.0 if cfg.per_sentence else 0.5
             kl, div = both * (kl + key_kl), both * (div + key_div)
         dqq = head_dependence_bound(log_joint, log_post, query_post, query_valid, negatives, cfg)
-        # one output for the four: AOTAutograd copies each incoming gradient that is not laid out
-        # as traced (here the expanded gradients of sums), one launch each
-        aux = (torch.stack([
+        aux = (
             kl + _token_mean(query_kl, query_valid, cfg.per_sentence),
             dqq,
             infonce_bound(query_post, query_valid, cfg.per_sentence),
             div + diversity_penalty(query_post, query_valid, cfg.div_form, cfg.per_sentence),
-        ]),)
+        )
 
     if query_noise is not None:  # q~ = (u + s eps') / scale
         q = q + query_noise * (s / cfg.query_gmm_scale)
@@ -352,24 +351,44 @@ def dma_math(
 AUX_NAMES = ("kl", "dqq", "dxq", "div")
 
 
-class _State:
-    """The process's compiled ``dma_math`` (built at first use) and whether compiling failed."""
+#: recompiles allowed per module configuration: its own graph, and one more for each size that
+#: torch specialises (a batch of one sentence, sentences of one token)
+RECOMPILE_LIMIT = 16
 
-    compiled = None
+
+class _State:
+    """The compiled ``dma_math`` of each module configuration (built at first use) and whether
+    compiling failed."""
+
+    compiled: Dict[MathConfig, object] = {}
     failed = False
 
 
 def reset():
-    """Forget the compiled function and a failure (a test that changes ``BACKEND``)."""
-    _State.compiled, _State.failed = None, False
+    """Forget the compiled functions and a failure (a test that changes ``BACKEND``)."""
+    _State.compiled, _State.failed = {}, False
 
 
-def _compiled_math():
-    if _State.compiled is None:
-        _State.compiled = (
-            dma_math if BACKEND is None else torch.compile(dma_math, fullgraph=True, dynamic=True, backend=BACKEND)
-        )
-    return _State.compiled
+def compile_failed() -> bool:
+    """Whether compiling failed in this process, so that DMA modules run eagerly (a benchmark
+    asks: it may have silenced the log line)."""
+    return _State.failed
+
+
+def _compiled_math(cfg: MathConfig):
+    """``dma_math`` compiled for ``cfg``'s modules. Where torch.compile can (torch >= 2.13), each
+    configuration has a cache of its own: dynamo's recompile limit (8 graphs per function by
+    default, and a hard error with fullgraph=True) then counts one configuration's graphs, not
+    those of all the model's attention types together."""
+    if cfg not in _State.compiled:
+        if BACKEND is None:
+            _State.compiled[cfg] = dma_math
+        else:
+            isolate = {}
+            if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+                isolate = dict(isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
+            _State.compiled[cfg] = torch.compile(dma_math, fullgraph=True, dynamic=True, backend=BACKEND, **isolate)
+    return _State.compiled[cfg]
 
 
 def applies(module, query: Tensor, key: Optional[Tensor], incremental_state, attn_mask: Optional[Tensor],
@@ -420,7 +439,14 @@ def _gmm_draws(module, x: Tensor, concatenated: bool) -> Tensor:
         draw = torch.randn(heads, x.size(0) * x.size(1), dim, dtype=dtype, device=x.device)
         return draw.view(heads, x.size(0), x.size(1), dim).permute(1, 2, 0, 3)
     points, restore = group_major_points(x.view(x.size(0), x.size(1), heads, dim).permute(1, 2, 0, 3).to(dtype), heads)
-    return restore(torch.randn(points.shape, dtype=dtype, device=x.device)).permute(2, 0, 1, 3)
+    drawn = restore(torch.randn(points.shape, dtype=dtype, device=x.device)).permute(2, 0, 1, 3)
+    if not drawn.permute(2, 0, 1, 3).is_contiguous():
+        # drawn for a batch-major input (the first layer's): laid out as for a token-major one,
+        # the only layout the graph is compiled for (a view of an (H, N B, d) block, as dynamo
+        # guards on a view's base too)
+        points = torch.empty(heads, x.size(0) * x.size(1), dim, dtype=dtype, device=x.device)
+        drawn = points.view(heads, x.size(0), x.size(1), dim).permute(1, 2, 0, 3).copy_(drawn)
+    return drawn
 
 
 def config_of(module, weights: str) -> MathConfig:
@@ -458,13 +484,21 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     # (token_states), the query sample (attend), CLUB's negatives (regularisers)
     key_token_noise = None
     if cfg.sample_attention:
-        token_noise = torch.randn_like(query)
+        token_noise = torch.randn_like(query).contiguous()
         if not self_attention:
-            key_token_noise = torch.randn_like(key)
+            key_token_noise = torch.randn_like(key).contiguous()
     else:
         token_noise = _gmm_draws(module, query, concatenated=not self_attention)
         if not self_attention:
             key_token_noise = _gmm_draws(module, key, concatenated=True)
+    # One layout per input: the first layers of fairseq's encoder and decoder read a batch-major
+    # view (T, B, E) of a (B, T, E) tensor, the others token-major tensors, and dynamo guards on
+    # strides: a copy here (a launch, in those two layers) instead of a second graph.
+    query = query.contiguous()
+    if not self_attention:
+        same = value is key
+        key = key.contiguous()
+        value = key if same else value.contiguous()
     query_noise = None
     if cfg.sample_attention:
         shape = (bsz, module.num_heads, tgt_len, module.head_dim)
@@ -490,7 +524,7 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
         # the configuration's floats are constants of the graph: as symbolic floats (dynamic=True's
         # default) dynamo would specialise them one by one, restarting its analysis
         with torch._dynamo.config.patch(specialize_float=True):
-            results = _compiled_math()(*args)
+            results = _compiled_math(cfg)(*args)
     except Exception as error:  # noqa: BLE001 - any failure of the compiler: run eagerly
         _State.failed = True
         summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -498,5 +532,5 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
                        type(error).__name__, summary[:300])
         return None
     if cfg.need_aux:
-        module.aux_losses = dict(zip(AUX_NAMES, results[1].unbind(0)))
+        module.aux_losses = dict(zip(AUX_NAMES, results[1:5]))
     return results[0], (results[-1] if weights != "none" else None)

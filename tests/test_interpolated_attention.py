@@ -9,6 +9,8 @@ import torch
 
 import fairseq_modattn  # noqa: F401
 from fairseq_modattn.modules import DisentangledMaskAttention
+from fairseq_modattn.modules import blocking
+from fairseq_modattn.modules import interpolated_attention as ia
 from fairseq_modattn.modules.interpolated_attention import interpolated_masked_attention
 
 DOUBLE = torch.float64
@@ -90,8 +92,6 @@ def test_dropout_drops_the_final_weights():
 def test_sentence_blocks_give_the_same_values_gradients_and_dropout(monkeypatch, dropout_p):
     """With BLOCK_ELEMENTS at one sentence's tables the kernel runs sentence by sentence (the
     dropout mask drawn block by block); values and gradients are the naive ones."""
-    from fairseq_modattn.modules import blocking
-
     monkeypatch.setattr(blocking, "BLOCK_ELEMENTS", 3 * 4 * 5)
     assert len(blocking.sentence_blocks(3, 3 * 4 * 5)) == 3
     tensors, mask = inputs(4, bsz=3, causal=True)
@@ -114,6 +114,8 @@ def test_disagreeing_one_hot_posteriors_stay_finite():
     log_pk = torch.full((2, 3, 5, 3), -1e4)
     log_pk[..., 1] = 0.0
     log_pq, log_pk = log_pq.requires_grad_(), log_pk.requires_grad_()
+    # M = 2 e^-10000 for every pair: rescaled, the product form holds it exactly
+    assert uses_product_form([q, k, v, log_pq, log_pk], mask.float())
     out = interpolated_masked_attention(q, k, v, log_pq, log_pk, mask.float(), 0.5)
     assert torch.isfinite(out).all()
     out.sum().backward()
@@ -122,6 +124,94 @@ def test_disagreeing_one_hot_posteriors_stay_finite():
     # a uniform log M shift leaves A~ = A, so the output is plain attention
     plain = torch.softmax(q @ k.transpose(-1, -2) / 2.0 + mask.float(), -1) @ v
     torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
+
+
+def uses_product_form(tensors, mask):
+    """Whether the kernel computes these inputs (one block) in the product form."""
+    q, k, _, log_pq, log_pk = (t.detach() for t in tensors)
+    post_q, post_k = ia._rescaled_posteriors(log_pq, log_pk, mask)
+    return ia._product_form(q, k, post_q, post_k, mask, q.size(-1) ** -0.5, q.dtype) is not None
+
+
+def test_the_naive_comparisons_run_the_product_form():
+    """The comparisons with ``naive`` above test the product form, not the log-form fallback."""
+    for causal in (False, True):
+        tensors, mask = inputs(0, causal=causal)
+        assert uses_product_form(tensors, mask)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_product_form_is_as_close_to_fp64_as_the_log_form(monkeypatch, dropout_p):
+    """fp32, peaked posteriors (some M_ij underflow, no row does), causal mask and padding: the
+    product form and the log form (today's oracle, forced with LOG_FORM_BELOW = inf) against
+    the same equations in fp64, values and every gradient."""
+    tensors64, mask64 = inputs(9, bsz=3, heads=2, tgt=6, src=6, d=8, num_c=4, causal=True)
+    with torch.no_grad():
+        # posteriors on one random cluster (keys) or two neighbours (queries), log P = -200 on
+        # the others, but for the first key, which every query sees and whose posterior is uniform
+        one_hot = torch.nn.functional.one_hot
+        clusters = tensors64[3].argmax(-1)
+        tensors64[3].copy_(torch.log_softmax(200.0 * one_hot(clusters, 4) + 199.0 * one_hot((clusters + 1) % 4, 4), -1))
+        tensors64[4].copy_(torch.log_softmax(200.0 * one_hot(tensors64[4].argmax(-1), 4).to(DOUBLE), -1))
+        tensors64[4][:, :, 0] = -math.log(4.0)
+    tensors32 = [t.detach().float().requires_grad_() for t in tensors64]
+    mask32 = mask64.float()
+    assert uses_product_form(tensors32, mask32)
+    pq, pk = tensors32[3].detach().exp(), tensors32[4].detach().exp()
+    assert ((pq @ pk.transpose(-1, -2)) < torch.finfo(torch.float32).tiny).any()  # entries underflow
+
+    weight = torch.randn(3, 2, 6, 8, dtype=DOUBLE)
+
+    def run(tensors, mask):
+        torch.manual_seed(3)
+        out = interpolated_masked_attention(*tensors, mask, 0.7, dropout_p=dropout_p)
+        return [out.double(), *(g.double() for g in torch.autograd.grad((out * weight.to(out.dtype)).sum(), tensors))]
+
+    exact = run(tensors64, mask64)
+    product = run(tensors32, mask32)
+    monkeypatch.setattr(ia, "LOG_FORM_BELOW", float("inf"))
+    log_form = run(tensors32, mask32)
+    for name, e, p, lg in zip(("out", "q", "k", "v", "log_pq", "log_pk"), exact, product, log_form):
+        size = e.abs().max()
+        err_product, err_log = ((p - e).abs().max() / size).item(), ((lg - e).abs().max() / size).item()
+        assert err_product <= max(2.0 * err_log, 5e-7), f"{name}: product {err_product:.1e}, log {err_log:.1e}"
+
+
+def test_blocks_with_underflowing_rows_take_the_log_form(monkeypatch):
+    """Blocks of one sentence. In the first, every query's cluster is shared by one key only,
+    which a mask of -100 keeps from the attention: Z < 2^-60, and the block runs in the log
+    form, as today's implementation (forced everywhere with LOG_FORM_BELOW = inf) does it. The
+    second is ordinary (product form) and equals the naive equations."""
+    monkeypatch.setattr(blocking, "BLOCK_ELEMENTS", 3 * 4 * 5)
+    tensors, mask = inputs(5)
+    with torch.no_grad():
+        tensors[3][0] = -1e4
+        tensors[3][0, ..., 0] = 0.0
+        tensors[4][0] = -1e4
+        tensors[4][0, :, 1:, 1] = 0.0
+        tensors[4][0, :, 0, 0] = 0.0
+    mask = mask.expand(2, 1, 1, 5).clone()
+    mask[0, ..., 0] = -100.0
+    assert not uses_product_form([t[:1] for t in tensors], mask[:1])
+    assert uses_product_form([t[1:] for t in tensors], mask[1:])
+    weight = torch.randn(2, 3, 4, 4, dtype=DOUBLE)
+
+    def run():
+        out = interpolated_masked_attention(*tensors, mask, 0.6)
+        return out, torch.autograd.grad((out * weight).sum(), tensors)
+
+    out, grads = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(ia, "LOG_FORM_BELOW", float("inf"))
+        log_out, log_grads = run()
+    torch.testing.assert_close(out, log_out, rtol=1e-12, atol=1e-14)  # the first block: the log form
+    ref = naive(*(t[1:] for t in tensors), mask[1:], 0.6)
+    torch.testing.assert_close(out[1:], ref, rtol=1e-10, atol=1e-12)
+    ref_grads = torch.autograd.grad((ref * weight[1:]).sum(), tensors)
+    for name, got, log_got, want in zip(("q", "k", "v", "log_pq", "log_pk"), grads, log_grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got[:1], log_got[:1], rtol=1e-12, atol=1e-14, msg=name)
+        torch.testing.assert_close(got[1:], want[1:], rtol=1e-9, atol=1e-11, msg=name)
 
 
 def test_mask_requiring_grad_is_refused():

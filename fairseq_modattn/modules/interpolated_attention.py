@@ -10,21 +10,31 @@ same thing, and on CUDA that is the fast form: its memory-efficient kernel also 
 gradient of the bias. On CPU, torch has no fused kernel that differentiates a bias, so the
 biased call falls back to the unfused math path and the pair costs three logit products,
 two softmaxes and two value products, and keeps every intermediate for backward. This
-function shares one logit product between both softmaxes, mixes the weights before the
-single value product, and keeps no T x S table for backward (like a flash kernel, it
-recomputes the logits there, one more product, and from them A, A~ and M), from which
+function shares one logit product between both weights, mixes them before the single value
+product, and keeps no T x S table for backward (like a flash kernel, it recomputes the logits
+there, one more product).
 
-    dS      = (1 - gamma) A  * (G - rowsum(G * A))  +  gamma A~ * (G - rowsum(G * A~)),
-    d log M = gamma A~ * (G - rowsum(G * A~)),          G = dL/dA^ = dL/dout V^T,
+It takes A~ in the product form, N = A * M and A~ = N / Z with Z_i = sum_j N_ij: one
+elementwise product where the log form needs a log, a second softmax and, in backward, a
+division by M. With G = dL/dA^ = dL/dout V^T (times the dropout mask), r = rowsum(G * A),
+r~ = rowsum(G * A~) and U = G - r~,
 
-and log M's gradient reaches the posteriors through dM = d log M / M and two matmuls with the
-(T x C) and (S x C) posteriors (no T x S x C tensor). Softmax and mask math are fp32 whatever
-the input dtype; attention dropout drops entries of A^ (the paper's final weights). Both
-passes run over blocks of sentences (``blocking.py``) with the softmaxes in place, so that
-a call holds two or three T x S tables of one block at a time.
+    dS = (1 - gamma) A * (U + r~ - r)  +  (gamma / Z) N * U,
+    dM = (gamma / Z) A * U,
+
+so M's gradient needs no division by M, and reaches the posteriors through two products
+with the (T x C) and (S x C) posteriors (no T x S x C tensor). The product form is exact
+while the products A_ij M_ij that matter are normal floats: M is taken rescaled by a factor
+per query (``_rescaled_posteriors``), which A~ ignores, so that each row of it reaches 1, and
+a block where some query still has Z < ``LOG_FORM_BELOW`` (the attention gives less than
+2^-60 to every key that shares its clusters) is computed in the log form instead,
+softmax(S + log max(M, tiny)). Softmax and mask
+math are fp32 whatever the input dtype; attention dropout drops entries of A^ (the paper's
+final weights). Both passes run over blocks of sentences (``blocking.py``) with the tables
+updated in place, so that a call holds two or three T x S tables of one block at a time.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -38,25 +48,34 @@ def _batch_slice(t: Optional[Tensor], block: slice) -> Optional[Tensor]:
     return t if t is None or t.size(0) == 1 else t[block]
 
 
+#: a block where some query's Z = sum_j A_ij M_ij is below this runs in the log form: above
+#: it, every product A_ij M_ij within 36 nats of the row's largest is a normal float (also in
+#: fp32, for up to 10^4 keys), so the product form loses nothing the log form keeps
+LOG_FORM_BELOW = 2.0**-60
+
+
 class _InterpolatedMaskedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_post_q, log_post_k, mask, gamma, dropout_p):
         with torch.autocast(device_type=q.device.type, enabled=False):
             dtype = at_least_fp32(q)
             scale = q.size(-1) ** -0.5
-            post_q, post_k = log_post_q.to(dtype).exp(), log_post_k.to(dtype).exp()
+            post_q, post_k = _rescaled_posteriors(log_post_q.to(dtype), log_post_k.to(dtype), mask)
             bsz, heads, tgt_len, _ = q.shape
             blocks = blocking.sentence_blocks(bsz, heads * tgt_len * k.size(-2))
             out = v.new_empty(bsz, heads, tgt_len, v.size(-1))
             keep = None
             if dropout_p > 0.0:
                 keep = torch.empty(bsz, heads, tgt_len, k.size(-2), dtype=torch.bool, device=q.device)
+            log_form = []
             for block in blocks:
-                out[block] = _forward_block(
-                    q[block], k[block], v[block], post_q[block], post_k[block], _batch_slice(mask, block),
-                    gamma, dropout_p, scale, dtype, None if keep is None else keep[block],
-                )
+                args = (q[block], k[block], v[block], post_q[block], post_k[block], _batch_slice(mask, block),
+                        gamma, dropout_p, scale, dtype, None if keep is None else keep[block])
+                result = _forward_block(*args)
+                log_form.append(result is None)
+                out[block] = _forward_block_log(*args) if result is None else result
             ctx.gamma, ctx.dropout_p, ctx.scale, ctx.blocks = gamma, dropout_p, scale, blocks
+            ctx.log_form = log_form
             ctx.save_for_backward(q, k, v, post_q, post_k, mask, keep)
             return out
 
@@ -66,8 +85,9 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
             q, k, v, post_q, post_k, mask, keep = ctx.saved_tensors
             needs = ctx.needs_input_grad
             grads = [torch.empty_like(t) if needs[i] else None for i, t in enumerate((q, k, v, post_q, post_k))]
-            for block in ctx.blocks:
-                block_grads = _backward_block(
+            for block, log_form in zip(ctx.blocks, ctx.log_form):
+                block_backward = _backward_block_log if log_form else _backward_block
+                block_grads = block_backward(
                     q[block], k[block], v[block], post_q[block], post_k[block], _batch_slice(mask, block),
                     None if keep is None else keep[block], grad_out[block], ctx.gamma, ctx.dropout_p, ctx.scale,
                     needs[:5],
@@ -78,21 +98,128 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
             return (*grads, None, None, None)
 
 
-def _forward_block(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype, keep):
-    """A^ V for one block of sentences; fills ``keep`` (the dropout mask) when given."""
+def _rescaled_posteriors(log_q: Tensor, log_k: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """P^q and P^k rescaled so that M' = P^q' (P^k')^T = M e^-lambda_i, a factor per query,
+    which A~ = normalise(M * A) ignores; the gradients of the log posteriors keep their form,
+    d log P^q = P^q' * (dM' P^k') (the factors cancel in the loss, so they count as constants):
+
+        kappa_c = max_j log P^k_jc (over unmasked keys),  P^k'_jc = exp(log P^k_jc - kappa_c),
+        lambda_i = max_c (log P^q_ic + kappa_c),          P^q'_ic = exp(log P^q_ic + kappa_c - lambda_i).
+
+    Every row of M' then reaches at least 1 at some key (C at most), also where the query's
+    clusters are all but absent among the keys and M underflows (log P of -100 give M of
+    e^-200): Z = sum_j A_ij M'_ij falls below ``LOG_FORM_BELOW`` only where the attention
+    itself gives that key less than 2^-60."""
+    excluded = None
+    if mask is not None and mask.size(-2) == 1:
+        # a mask per key (padding): keys it removes (-inf) do not count for kappa, and their
+        # P^k' (which may exceed 1 then) is set to 1, finite, where A is 0
+        excluded = torch.isneginf(mask).transpose(-1, -2)
+    kappa = (log_k if excluded is None else log_k.masked_fill(excluded, float("-inf"))).amax(-2, keepdim=True)
+    kappa = kappa.masked_fill_(~torch.isfinite(kappa), 0.0)  # a sentence without keys: any value
+    shifted_q = log_q + kappa
+    post_q = shifted_q.sub_(shifted_q.amax(-1, keepdim=True)).exp_()
+    shifted_k = log_k - kappa
+    if excluded is not None:
+        shifted_k.masked_fill_(excluded, 0.0)
+    return post_q, shifted_k.exp_()
+
+
+def _drop_(mixed: Tensor, keep: Tensor, dropout_p: float) -> Tensor:
+    """Attention dropout on A^, in place: draws ``keep`` and zeroes and rescales."""
+    torch.ge(torch.rand(mixed.shape, device=mixed.device), dropout_p, out=keep)
+    return mixed.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
+
+
+def _product_form(q, k, post_q, post_k, mask, scale, dtype) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """A, N = A * M and 1 / Z of one block, or None where some Z < ``LOG_FORM_BELOW``."""
+    weights = _softmax_(_logits(q, k, mask, scale, dtype))
+    masked = torch.matmul(post_q, post_k.transpose(-1, -2)).mul_(weights)
+    norm = masked.sum(-1, keepdim=True)
+    if bool((norm < LOG_FORM_BELOW).any()):
+        return None
+    return weights, masked, norm.reciprocal_()
+
+
+def _forward_block(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype, keep) -> Optional[Tensor]:
+    """A^ V for one block of sentences in the product form (module doc), filling ``keep`` (the
+    dropout mask) when given; None, having drawn nothing, where the block needs the log form."""
+    tables = _product_form(q, k, post_q, post_k, mask, scale, dtype)
+    if tables is None:
+        return None
+    weights, masked, inv_norm = tables
+    # A^ = (1 - gamma) A + gamma N / Z, in A's buffer
+    mixed = weights.mul_(1.0 - gamma).addcmul_(masked, inv_norm, value=gamma)
+    del masked
+    if keep is not None:
+        _drop_(mixed, keep, dropout_p)
+    return torch.matmul(mixed.to(v.dtype), v)
+
+
+def _forward_block_log(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype, keep):
+    """``_forward_block`` in the log form, A~ = softmax(S + log max(M, tiny))."""
     logits = _logits(q, k, mask, scale, dtype)
     # two T x S tables in all: A~ is built in M's buffer, A and then A^ in the logits'
     masked = _softmax_(log_mask(post_q, post_k).add_(logits))
     mixed = _softmax_(logits).lerp_(masked, gamma)
     del masked
     if keep is not None:
-        torch.ge(torch.rand(mixed.shape, device=mixed.device), dropout_p, out=keep)
-        mixed.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
+        _drop_(mixed, keep, dropout_p)
     return torch.matmul(mixed.to(v.dtype), v)
 
 
 def _backward_block(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropout_p, scale, needs):
-    """Gradients of one block's A^ V with respect to q, k, v and the log posteriors (module doc)."""
+    """Gradients of one block's A^ V with respect to q, k, v and the log posteriors, in the
+    product form (module doc)."""
+    dtype = post_q.dtype
+    weights, masked, inv_norm = _product_form(q, k, post_q, post_k, mask, scale, dtype)
+    # dropout: G and A^ carry the 0/1 mask here, and its 1 / (1 - p) scales the (. x d) and
+    # (. x C) results instead of the tables
+    rescale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
+    buffer = torch.mul(weights, 1.0 - gamma)
+    grad_q = grad_k = grad_v = grad_log_q = grad_log_k = None
+
+    if needs[2]:
+        mixed = buffer.addcmul_(masked, inv_norm, value=gamma)
+        if keep is not None:
+            mixed.mul_(keep)
+        grad_v = torch.matmul(mixed.to(v.dtype).transpose(-1, -2), grad_out).mul_(rescale)
+    grad_mixed = torch.matmul(grad_out, v.transpose(-1, -2)).to(dtype)
+    if keep is not None:
+        grad_mixed.mul_(keep)
+    # r~ - r = rowsum(G * A~) - rowsum(G * A), then U = G - r~ in G's buffer
+    centre = _row_dot(grad_mixed, masked, buffer).mul_(inv_norm)
+    shift = centre - _row_dot(grad_mixed, weights, buffer)
+    unmasked = grad_mixed.sub_(centre)
+    del grad_mixed
+    attended = torch.mul(weights, unmasked, out=buffer)  # W = A * U, dM = (gamma / Z) W
+    # dS = (gamma / Z) N * U + (1 - gamma) (W + (r~ - r) A), in N's buffer
+    grad_logits = masked.mul_(unmasked).mul_(inv_norm * gamma)
+    del unmasked
+    grad_logits.add_(attended, alpha=1.0 - gamma).addcmul_(weights, shift, value=1.0 - gamma)
+    del weights
+
+    if needs[0]:
+        grad_q = torch.matmul(grad_logits.to(k.dtype), k).mul_(scale * rescale)
+    if needs[1]:
+        grad_k = torch.matmul(grad_logits.to(q.dtype).transpose(-1, -2), q).mul_(scale * rescale)
+    del grad_logits
+
+    # d log P^q = P^q * (dM P^k), d log P^k = P^k * (dM^T P^q). Each product is taken as its
+    # transpose, (C x S)(S x T) and (C x T)(T x S): torch's CPU matmul of a T x S table with a
+    # (S x C) matrix is 4-7x slower than with the table on the right (measured, C = 8)
+    row_scale = inv_norm * (gamma * rescale)
+    if needs[3]:
+        grad_log_q = torch.matmul(post_k.transpose(-1, -2), attended.transpose(-1, -2)).transpose(-1, -2)
+        grad_log_q = grad_log_q.mul(row_scale).mul_(post_q)
+    if needs[4]:
+        scaled_q = (post_q * row_scale).transpose(-1, -2)
+        grad_log_k = torch.matmul(scaled_q, attended).transpose(-1, -2).mul(post_k)
+    return grad_q, grad_k, grad_v, grad_log_q, grad_log_k
+
+
+def _backward_block_log(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropout_p, scale, needs):
+    """``_backward_block`` in the log form (``_forward_block_log``)."""
     dtype = post_q.dtype
     logits = _logits(q, k, mask, scale, dtype)
     inner = torch.matmul(post_q, post_k.transpose(-1, -2))  # M, kept for d log M / dM
@@ -165,17 +292,20 @@ def log_mask(post_q: Tensor, post_k: Tensor) -> Tensor:
 
 
 def _softmax_(x: Tensor) -> Tensor:
-    """softmax over the last axis, in place. The T x S tables here are large, and on the CPU a
-    fresh one costs its page faults: in place, two softmaxes of (8, 4, 512, 512) took 42 ms
-    against 91 ms for torch.softmax's (measured, one thread). Rows of -inf give NaN, as
-    torch.softmax's do."""
-    x.sub_(x.amax(-1, keepdim=True)).exp_()
-    return x.div_(x.sum(-1, keepdim=True))
+    """softmax over the last axis, in place (``out=x``: torch's one-pass kernel writes each row
+    after reading it). The T x S tables here are large, and on the CPU a fresh one costs its
+    page faults: two softmaxes of (8, 4, 512, 512) took 42 ms in place against 91 ms for new
+    tables (measured, one thread). Rows of -inf give NaN, as torch.softmax's do."""
+    return torch.softmax(x, -1, out=x)
 
 
-def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """sum_j a_ij b_ij as (..., T, 1), without an elementwise product table."""
-    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
+def _row_dot(a: Tensor, b: Tensor, scratch: Optional[Tensor] = None) -> Tensor:
+    """sum_j a_ij b_ij as (..., T, 1); the products go to ``scratch`` (a table of a's shape that
+    may be overwritten) when given. As a product and a sum it is 2-4x faster on the CPU than as
+    a batch of T x 1 x S matrix-vector products, which was the way to avoid the table."""
+    if scratch is None:
+        return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
+    return torch.mul(a, b, out=scratch).sum(-1, keepdim=True)
 
 
 def interpolated_masked_attention(

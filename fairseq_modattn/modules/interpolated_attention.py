@@ -283,10 +283,34 @@ def _logits(q: Tensor, k: Tensor, mask: Optional[Tensor], scale: float, dtype: t
     return logits if mask is None else logits.add_(mask)
 
 
+class _LogMask(torch.autograd.Function):
+    """log max(M, tiny) with M = P^q (P^k)^T, keeping only the posteriors for backward, which
+    recomputes M (one product): plain autograd would keep M and a copy of it for the in-place
+    clamp and log, two T x S tables beside the one the SDPA call keeps as its bias."""
+
+    @staticmethod
+    def forward(ctx, post_q, post_k):
+        ctx.save_for_backward(post_q, post_k)
+        inner = torch.matmul(post_q, post_k.transpose(-1, -2))
+        return inner.clamp_min_(torch.finfo(inner.dtype).tiny).log_()
+
+    @staticmethod
+    def backward(ctx, grad):
+        post_q, post_k = ctx.saved_tensors
+        inner = torch.matmul(post_q, post_k.transpose(-1, -2))
+        # d log M / dM = 1 / M, zero where the forward clamped M
+        grad_inner = torch.where(inner < torch.finfo(inner.dtype).tiny, 0.0, grad.to(inner.dtype) / inner)
+        grad_q = torch.matmul(grad_inner, post_k) if ctx.needs_input_grad[0] else None
+        grad_k = torch.matmul(grad_inner.transpose(-1, -2), post_q) if ctx.needs_input_grad[1] else None
+        return grad_q, grad_k
+
+
 def log_mask(post_q: Tensor, post_k: Tensor) -> Tensor:
     """log M = log P^q (P^k)^T from the posteriors themselves (at least fp32 inputs), clamped
-    at log(tiny) as in ``log_semantic_mask``."""
+    at log(tiny) as in ``log_semantic_mask``; backward keeps no T x S table (``_LogMask``)."""
     with torch.autocast(device_type=post_q.device.type, enabled=False):
+        if torch.is_grad_enabled() and (post_q.requires_grad or post_k.requires_grad):
+            return _LogMask.apply(post_q, post_k)
         inner = torch.matmul(post_q, post_k.transpose(-1, -2))
         return inner.clamp_min_(torch.finfo(inner.dtype).tiny).log_()
 

@@ -28,9 +28,8 @@ while the products A_ij M_ij that matter are normal floats: M is taken rescaled 
 per query (``_rescaled_posteriors``), which A~ ignores, so that each row of it reaches 1, and
 a block where some query still has Z < ``LOG_FORM_BELOW`` (the attention gives less than
 2^-60 to every key that shares its clusters) is computed in the log form instead,
-softmax(S + log max(M, tiny)). Softmax and mask
-math are fp32 whatever the input dtype; attention dropout drops entries of A^ (the paper's
-final weights). Both passes run over blocks of sentences (``blocking.py``) with the tables
+softmax(S + log max(M, tiny)). Softmax and mask math are fp32 whatever the input dtype;
+attention dropout drops entries of A^ (the paper's final weights). Both passes run over blocks of sentences (``blocking.py``) with the tables
 updated in place, so that a call holds two or three T x S tables of one block at a time.
 """
 
@@ -291,8 +290,7 @@ class _LogMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, post_q, post_k):
         ctx.save_for_backward(post_q, post_k)
-        inner = torch.matmul(post_q, post_k.transpose(-1, -2))
-        return inner.clamp_min_(torch.finfo(inner.dtype).tiny).log_()
+        return _clamped_log_mask(post_q, post_k)
 
     @staticmethod
     def backward(ctx, grad):
@@ -311,8 +309,12 @@ def log_mask(post_q: Tensor, post_k: Tensor) -> Tensor:
     with torch.autocast(device_type=post_q.device.type, enabled=False):
         if torch.is_grad_enabled() and (post_q.requires_grad or post_k.requires_grad):
             return _LogMask.apply(post_q, post_k)
-        inner = torch.matmul(post_q, post_k.transpose(-1, -2))
-        return inner.clamp_min_(torch.finfo(inner.dtype).tiny).log_()
+        return _clamped_log_mask(post_q, post_k)
+
+
+def _clamped_log_mask(post_q: Tensor, post_k: Tensor) -> Tensor:
+    inner = torch.matmul(post_q, post_k.transpose(-1, -2))
+    return inner.clamp_min_(torch.finfo(inner.dtype).tiny).log_()
 
 
 def _softmax_(x: Tensor) -> Tensor:

@@ -48,6 +48,7 @@ import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.atomic_files import write_json_atomically
 from fairseq_modattn.child_processes import stopping_on_sigterm
+from fairseq_modattn.folder_lock import exclusive_use
 from fairseq_modattn.cli import runs
 from fairseq_modattn.cli.model_recipes import RECIPES, TRAIN_FLAGS, ModelRecipe
 
@@ -222,6 +223,16 @@ def markdown(table: Dict, verdicts: List[Dict], settings: Dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:  # one writer per folder (fairseq_modattn.folder_lock)
+        with exclusive_use(args.output_dir, error=AnalysisError, what="--output-dir"):
+            return compare(args, argv)
+    except AnalysisError as e:
+        print(f"dma_objective benchmark: error: {e}", file=sys.stderr)
+        return 1
+
+
+def compare(args, argv) -> int:
+    """The runs, their table and checks, with OUTPUT_DIR held by this process."""
     started, lock = time.monotonic(), threading.Lock()
 
     def log(message):

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fairseq_modattn.child_processes import running, stopping_on_sigterm  # noqa: E402
 from fairseq_modattn.cli.model_recipes import RECIPES  # noqa: E402
 from fairseq_modattn.cli.runs import run_concurrently  # noqa: E402
+from fairseq_modattn.folder_lock import FolderInUseError, exclusive_use  # noqa: E402
 
 #: logged intervals averaged at each end of the run for the "loss falls" check
 ENDS = 3
@@ -157,6 +158,16 @@ def table(results: List[Dict], args, jobs: int) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:  # one writer per folder (fairseq_modattn.folder_lock)
+        with exclusive_use(args.output_dir, what="--output-dir"):
+            return check(args)
+    except FolderInUseError as e:
+        print(f"half-precision check: error: {e}", file=sys.stderr)
+        return 1
+
+
+def check(args) -> int:
+    """Train every model of ARGS, with OUTPUT_DIR held by this process."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
     started, lock = time.monotonic(), threading.Lock()
 

@@ -477,8 +477,7 @@ def main(argv=None) -> int:
         with exclusive_use(args.output_dir):
             return benchmark(args, argv, log, jobs, threads)
     except DirectoryInUse as e:
-        print(f"multi30k benchmark: error: {e}; rerun when it has stopped, or add --status to see where "
-              "it stands", file=sys.stderr)
+        print(f"multi30k benchmark: error: {e} (--status shows where it stands)", file=sys.stderr)
         return 2
 
 

@@ -10,15 +10,13 @@ saving, and it was measured under whatever sharing of the machine the runs had.
 """
 
 import datetime
-import fcntl
-import os
 import re
 import statistics
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
+
+from fairseq_modattn import folder_lock
 
 #: a fairseq-train epoch record (``--log-format simple`` prefixes the time)
 _EPOCH = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \| INFO \| train \| epoch \d+ \|.*\| num_updates (\d+)")
@@ -83,56 +81,19 @@ def duration(seconds: float) -> str:
 
 
 # ------------------------------------------------------------------ one process per directory
-LOCK_FILE = ".benchmark.lock"
-
-
 class DirectoryInUse(RuntimeError):
-    pass
+    """Another process holds the benchmark's output directory."""
 
 
-@contextmanager
-def exclusive_use(directory: Path, *, patience: float = 2.0) -> Iterator[None]:
+def exclusive_use(directory: Path):
     """Hold DIRECTORY for this process while the block runs, or raise DirectoryInUse naming the
     process that holds it: two benchmarks working on one directory would train the same run into
-    the same checkpoints. The lock is the kernel's (flock), so it goes with the process however it
-    ends; the file stays. A holder is waited for PATIENCE seconds, because ``holder`` takes the lock
-    for an instant to test it."""
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
-    try:
-        deadline = time.monotonic() + patience
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise DirectoryInUse(f"{directory} is in use by another benchmark process "
-                                         f"(pid {_recorded_pid(directory)})") from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        yield
-    finally:
-        os.close(fd)
+    the same checkpoints. The package's lock (``fairseq_modattn.folder_lock``, which every
+    command of the package takes on what it writes)."""
+    return folder_lock.exclusive_use(directory, error=DirectoryInUse, what="--output-dir")
 
 
 def holder(directory: Path) -> Optional[str]:
-    """The pid of the benchmark process working on DIRECTORY, or None when none is."""
-    path = directory / LOCK_FILE
-    if not path.exists():
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except BlockingIOError:
-        return _recorded_pid(directory)
-    finally:
-        os.close(fd)  # releases the test lock, if it was taken
-
-
-def _recorded_pid(directory: Path) -> str:
-    try:
-        return (directory / LOCK_FILE).read_text().strip() or "unknown"
-    except OSError:
-        return "unknown"
+    """The pid of the process working on DIRECTORY, or None when none is."""
+    pid = folder_lock.current_holder(directory)
+    return None if pid is None else str(pid)

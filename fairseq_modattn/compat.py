@@ -130,6 +130,18 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    the root logger, the root logger's level and handlers are put back as they were. Where
    fairseq was imported before the plugin (``fairseq-train --user-dir``, which configures logging
    itself first), nothing is touched.
+
+12. fairseq 0.12 ``fairseq_cli/train.py`` checks ``--save-dir`` with
+   ``checkpoint_utils.verify_checkpoint_directory`` (it creates the folder and writes and
+   removes a file called ``dummy``) and never asks whether another training writes there: two
+   ``fairseq-train`` runs given one ``--save-dir`` both ran to the end and exited 0, and
+   ``checkpoint_last.pt`` and half the interval checkpoints were one model, the rest the other
+   (resuming either then failed or continued the wrong model). The wrapper takes the package's
+   folder lock (``folder_lock``: an flock on ``.NAME.lock`` beside the folder, held until the
+   process exits and released by the kernel however it exits) before fairseq's check; a second
+   training into the folder stops at once with one line naming the first one's pid and command
+   (``FolderInUseError``, printed as that line by fix 7's ``sys.excepthook``). fairseq calls the
+   check on the master rank only, so the ranks of one distributed job do not refuse each other.
 """
 
 import argparse
@@ -147,6 +159,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from . import folder_lock
+from .folder_lock import FolderInUseError
 
 logger = logging.getLogger(__name__)
 
@@ -578,10 +593,10 @@ def _loads_without_checking_file(load_checkpoint_to_cpu) -> bool:
 
 
 def _report_damaged_checkpoint(exc_type, exc, tb):
-    """sys.excepthook: a DamagedCheckpointError (fix 7) or UnknownArchitectureError (fix 10) that
-    ends a command is printed as its one line (``fairseq-train: error: checkpoint ... is damaged
-    ...``); anything else as before."""
-    if isinstance(exc, (DamagedCheckpointError, UnknownArchitectureError)):
+    """sys.excepthook: a DamagedCheckpointError (fix 7), UnknownArchitectureError (fix 10) or
+    FolderInUseError (fix 12) that ends a command is printed as its one line (``fairseq-train:
+    error: checkpoint ... is damaged ...``); anything else as before."""
+    if isinstance(exc, (DamagedCheckpointError, UnknownArchitectureError, FolderInUseError)):
         print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {exc}", file=sys.stderr)
     else:
         _PREVIOUS_EXCEPTHOOK(exc_type, exc, tb)
@@ -742,4 +757,26 @@ _FAIRSEQ_BUILD_MODEL = fairseq_models.build_model
 # models.build_model(...)``, FairseqTask.build_model and the others), looked up at call time.
 if getattr(_FAIRSEQ_BUILD_MODEL, "__module__", "") != __name__ and _unknown_model_message_breaks(_FAIRSEQ_BUILD_MODEL):
     fairseq_models.build_model = build_model_naming_unknown_architecture
+    _install_one_line_excepthook()
+
+
+# ------------------------------------------------------------------ 12. one training per --save-dir
+def verify_checkpoint_directory_locked(save_dir: str) -> None:
+    """fairseq's ``checkpoint_utils.verify_checkpoint_directory`` (fix 12), after taking the lock
+    of SAVE_DIR for the rest of this process: FolderInUseError while another process holds it."""
+    folder_lock.hold_until_exit(save_dir, what="--save-dir")
+    _FAIRSEQ_VERIFY_CHECKPOINT_DIRECTORY(save_dir)
+
+
+def _verifies_without_lock(verify) -> bool:
+    source = _source_of(verify)
+    return "dummy" in source and "flock" not in source and "folder_lock" not in source
+
+
+_FAIRSEQ_VERIFY_CHECKPOINT_DIRECTORY = checkpoint_utils.verify_checkpoint_directory
+# fairseq_cli/train.py calls it as ``checkpoint_utils.verify_checkpoint_directory`` at call time;
+# --user-dir imports the plugin while the arguments are parsed, before train's ``main`` runs.
+if getattr(_FAIRSEQ_VERIFY_CHECKPOINT_DIRECTORY, "__module__", "") != __name__ and _verifies_without_lock(
+        _FAIRSEQ_VERIFY_CHECKPOINT_DIRECTORY):
+    checkpoint_utils.verify_checkpoint_directory = verify_checkpoint_directory_locked
     _install_one_line_excepthook()

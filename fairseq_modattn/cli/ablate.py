@@ -222,4 +222,4 @@ def ablate(argv: List[str]) -> int:
         print(markdown_table(rows, settings))
         return 0
 
-    return runs.resumable_command("fairseq-modattn ablate", body)
+    return runs.resumable_command("fairseq-modattn ablate", body, output_dir=args.output_dir)

@@ -6,10 +6,11 @@ of a data-bin and report or draw what the DMA paper reports and draws (section 5
 """
 
 import argparse
+import contextlib
 import datetime
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 from ..analysis import AnalysisError
 from ..models.attention_types import ATTENTION_TYPES
@@ -68,7 +69,8 @@ def parse_attention_types(value: str) -> List[str]:
 
 def redundancy(argv: List[str]) -> int:
     args = redundancy_parser().parse_args(argv)
-    return run_reporting_errors("redundancy", lambda: _redundancy(args))
+    return run_reporting_errors("redundancy", lambda: _redundancy(args), outputs={"--output": args.output,
+                                                                              "--plot": args.plot})
 
 
 def refuse_directory_outputs(**flags):
@@ -159,7 +161,7 @@ def plot_parser() -> argparse.ArgumentParser:
 
 def plot(argv: List[str]) -> int:
     args = plot_parser().parse_args(argv)
-    return run_reporting_errors("plot", lambda: _plot(args))
+    return run_reporting_errors("plot", lambda: _plot(args), outputs={"--output": args.output})
 
 
 def _plot(args) -> int:
@@ -201,10 +203,18 @@ def _plot(args) -> int:
     return 0
 
 
-def run_reporting_errors(command: str, body) -> int:
-    """Run ``body``; an AnalysisError becomes 'fairseq-modattn COMMAND: error: ...' and exit 1."""
+def run_reporting_errors(command: str, body, outputs: Optional[Dict[str, Optional[Path]]] = None) -> int:
+    """Run ``body`` holding the locks of its OUTPUTS ({flag: file or None}; a second command
+    writing the same file is refused: ``folder_lock``); an AnalysisError becomes
+    'fairseq-modattn COMMAND: error: ...' and exit 1."""
+    from ..folder_lock import exclusive_use
+
     try:
-        return body()
+        with contextlib.ExitStack() as stack:
+            for flag, path in (outputs or {}).items():
+                if path is not None:
+                    stack.enter_context(exclusive_use(path, error=AnalysisError, what=flag))
+            return body()
     except AnalysisError as e:
         print(f"fairseq-modattn {command}: error: {e}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ from ..analysis import AnalysisError
 from ..analysis import checkpoints as ckpt
 from ..analysis import scoring
 from ..atomic_files import check_output_file, write_json_atomically
+from ..folder_lock import exclusive_use
 from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
 # Flags of fairseq-generate that this command sets itself, or that would move the hypotheses
@@ -70,7 +71,8 @@ def average(argv: List[str]) -> int:
         print(f"averaging {len(paths)} checkpoint(s):")
         for path in paths:
             print(f"  {path}")
-        ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(paths), args.output)
+        with exclusive_use(args.output, error=AnalysisError, what="--output"):
+            ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(paths), args.output)
         print(f"wrote {args.output}")
     except AnalysisError as e:
         print(f"fairseq-modattn average: error: {e}", file=sys.stderr)
@@ -554,15 +556,18 @@ def evaluate(argv: List[str]) -> int:
             _refuse_directory_output(work_dir / "averaged.pt", "the averaged model")
         if work_dir.exists() and not work_dir.is_dir():
             raise AnalysisError(f"--work-dir {work_dir} is a file; give a folder")
-        results = evaluate_checkpoints(
-            args.data, checkpoints, subset=args.subset, beam=args.beam, batch_size=args.batch_size,
-            max_tokens=args.max_tokens, lenpen=args.lenpen, compound_split=args.compound_split,
-            references=Path(args.references) if args.references else None,
-            sacrebleu_tokenize=args.sacrebleu_tokenize, cpu=args.cpu, work_dir=work_dir,
-            extra_generate_args=extra, log=print, source_lang=args.source_lang, target_lang=args.target_lang,
-            case_sensitive=args.case_sensitive,
-        )
-        write_json_atomically(results, output)
+        # one writer per folder: two evaluations sharing a work dir would read one averaged.pt
+        with exclusive_use(work_dir, error=AnalysisError, what="--work-dir"), \
+                exclusive_use(output, error=AnalysisError, what="--output"):
+            results = evaluate_checkpoints(
+                args.data, checkpoints, subset=args.subset, beam=args.beam, batch_size=args.batch_size,
+                max_tokens=args.max_tokens, lenpen=args.lenpen, compound_split=args.compound_split,
+                references=Path(args.references) if args.references else None,
+                sacrebleu_tokenize=args.sacrebleu_tokenize, cpu=args.cpu, work_dir=work_dir,
+                extra_generate_args=extra, log=print, source_lang=args.source_lang,
+                target_lang=args.target_lang, case_sensitive=args.case_sensitive,
+            )
+            write_json_atomically(results, output)
     except AnalysisError as e:
         print(f"fairseq-modattn evaluate: error: {e}", file=sys.stderr)
         return 1

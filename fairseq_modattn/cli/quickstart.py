@@ -241,4 +241,4 @@ def quickstart(argv: List[str]) -> int:
             f"--path {args.output_dir / shown / 'checkpoints' / 'checkpoint_last.pt'} --data {data}")
         return 0
 
-    return runs.resumable_command("fairseq-modattn quickstart", body)
+    return runs.resumable_command("fairseq-modattn quickstart", body, output_dir=args.output_dir)

@@ -15,6 +15,7 @@ Every step leaves its marker when it completes; calling it again returns the rec
 and an interrupted ``fairseq-train`` continues from its ``checkpoint_last.pt``.
 """
 
+import contextlib
 import os
 import re
 import shlex
@@ -26,11 +27,12 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import child_processes
 from ..analysis import AnalysisError
 from ..atomic_files import write_json_atomically
+from ..folder_lock import exclusive_use
 
 Log = Callable[[str], None]
 
@@ -125,13 +127,20 @@ def evaluate(run_dir: Path, label: str, data, *, average_last: int = 0, subset: 
     """Translate SUBSET with the final model, or the average of the last AVERAGE_LAST epoch
     checkpoints, and score it (``fairseq-modattn evaluate``'s results, cached in
     ``evaluation/results.json``)."""
+    result_path = run_dir / "evaluation" / "results.json"
+    with exclusive_use(run_dir / "evaluation", error=AnalysisError, what="work dir"):
+        if result_path.exists():
+            log(f"[{label}] already evaluated ({result_path})")
+            return json_load(result_path)
+        return _evaluate(run_dir, label, data, result_path, average_last, subset, beam, cpu, compound_split,
+                         generate_args, log)
+
+
+def _evaluate(run_dir, label, data, result_path, average_last, subset, beam, cpu, compound_split, generate_args,
+              log) -> Dict:
     from ..analysis.checkpoints import find_checkpoints
     from .evaluate import evaluate_checkpoints
 
-    result_path = run_dir / "evaluation" / "results.json"
-    if result_path.exists():
-        log(f"[{label}] already evaluated ({result_path})")
-        return json_load(result_path)
     save_dir = run_dir / "checkpoints"
     if average_last and list(save_dir.glob("checkpoint[0-9]*.pt")):
         checkpoints = find_checkpoints(save_dir, average_last, allow_fewer=True)
@@ -184,12 +193,15 @@ def _measure(path, label, model_path, data, subset, attentions, cpu, log) -> Dic
     return report
 
 
-def resumable_command(prog: str, body: Callable[[], int]) -> int:
-    """Run BODY, the work of command PROG; an AnalysisError becomes its message and exit status 1,
-    an interruption (Ctrl-C, or SIGTERM, which first stops the fairseq commands it runs) a
-    reminder that rerunning the command continues it (status 130)."""
+def resumable_command(prog: str, body: Callable[[], int], output_dir: Optional[Path] = None) -> int:
+    """Run BODY, the work of command PROG, holding the lock of its OUTPUT_DIR (a second command
+    pointed at the same folder is refused: ``folder_lock``); an AnalysisError becomes its message
+    and exit status 1, an interruption (Ctrl-C, or SIGTERM, which first stops the fairseq commands
+    it runs) a reminder that rerunning the command continues it (status 130)."""
     try:
-        with child_processes.stopping_on_sigterm():
+        with child_processes.stopping_on_sigterm(), contextlib.ExitStack() as stack:
+            if output_dir is not None:
+                stack.enter_context(exclusive_use(output_dir, error=AnalysisError, what="--output-dir"))
             return body()
     except AnalysisError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

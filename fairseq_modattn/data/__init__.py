@@ -90,15 +90,22 @@ def parse_args(name: str, argv):
 def prepare(name: str, argv):
     """Parse ARGV for recipe NAME, check its output paths (``manifest.check_prepare_paths``:
     before any work, one-line DataError), run it, print (and optionally save) its summary."""
+    from ..folder_lock import exclusive_use
+    from .errors import DataError
     from .manifest import check_prepare_paths
 
     args = parse_args(name, argv)
     mod = recipe_module(name)
-    check_prepare_paths(name, args.dest, args.work_dir, args.summary_json,
-                        src=getattr(args, "src", None) or getattr(mod, "SRC", None),
-                        tgt=getattr(args, "tgt", None) or getattr(mod, "TGT", None))
-    summary = mod.prepare(args)
-    summary.print()
-    if args.summary_json:
-        summary.save(args.summary_json)
+    # one writer per folder: a second prepare into the same DEST or work dir is refused before
+    # it reads anything, not interleaved (its markers would vouch for the other run's files)
+    with exclusive_use(args.dest, error=DataError, what="--dest"), \
+            exclusive_use(args.work_dir, error=DataError, what="--work-dir"):
+        check_prepare_paths(name, args.dest, args.work_dir, args.summary_json,
+                            src=getattr(args, "src", None) or getattr(mod, "SRC", None),
+                            tgt=getattr(args, "tgt", None) or getattr(mod, "TGT", None))
+        summary = mod.prepare(args)
+        summary.print()
+        if args.summary_json:
+            with exclusive_use(args.summary_json, error=DataError, what="--summary-json"):
+                summary.save(args.summary_json)
     return summary

@@ -2,10 +2,13 @@
 
 ``Steps(work_dir)``; ``steps.run(name, outputs, fn, inputs=(), params=None)`` calls
 ``fn(*tmp_outputs)`` with temporary sibling paths of ``outputs``, renames them into place and
-only then writes the step's marker (atomically, in ``WORK_DIR/.steps/``). A step whose marker
-matches its params, the checksums of its inputs and the sizes of its outputs is skipped; an
-interrupted step leaves no marker, so a rerun redoes it (and overwrites its own outputs, never
-other files). A rerun first removes the temporaries a killed run left beside the step's outputs
+only then writes the step's marker (atomically, in ``WORK_DIR/.steps/``). The marker records
+the params, the checksums of the inputs and, for each output, the file THIS run produced: its
+size, sha256 and modification time, taken from the temporary before the rename (so a file that
+another writer put at the path in between is not vouched for). A step is skipped when its params
+and inputs are the same and every output is still the file the marker describes (same size, and
+the same modification time or, for a copied folder, the same sha256); an interrupted step leaves
+no marker, so a rerun redoes it (and overwrites its own outputs, never other files). A rerun first removes the temporaries a killed run left beside the step's outputs
 (``.NAME.tmp-*``, and the nested ``..NAME.tmp-*`` of older versions).
 
 Every recipe is a sequence of such steps, which is what lets ``fairseq-modattn prepare`` resume.
@@ -41,6 +44,22 @@ def _size(path: Path) -> int:
     return path.stat().st_size
 
 
+def _stamp(path: Path) -> str:
+    """Sizes and modification times of PATH's files (a cheap identity: a rename keeps both, any
+    rewrite changes the time); hashed for a folder, so the record stays one short string."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.relative_to(path) if path.is_dir() else ''}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _produced(path: Path) -> dict:
+    """What the marker records of an output (read from the temporary the step wrote)."""
+    return {"size": _size(path), "sha256": sha256sum(path), "stamp": _stamp(path)}
+
+
 class Steps:
     """Resumable, atomic data-preparation steps whose completion markers live in WORK_DIR/.steps/.
 
@@ -62,13 +81,27 @@ class Steps:
     def marker(self, name: str) -> Path:
         return self.marker_dir / f"{name}.done.json"
 
-    def _record(self, name, outputs, inputs, params, output_sizes=None):
+    def _record(self, name, inputs, params, produced=None):
+        produced = produced or {}
         return {
             "step": name,
             "params": json.loads(json.dumps(params, default=str)),
             "inputs": {str(p): sha256sum(p) for p in inputs},
-            "outputs": output_sizes or {str(p): _size(p) for p in outputs},
+            "outputs": {p: files["size"] for p, files in produced.items()},
+            "produced": produced,
         }
+
+    @staticmethod
+    def _still_produced(path: Path, recorded: dict) -> bool:
+        """Whether PATH is the output the marker describes. Markers of versions before
+        ``produced`` was recorded only had sizes, which is all they can be checked against."""
+        size = recorded.get("outputs", {}).get(str(path))
+        if size != _size(path):
+            return False
+        produced = recorded.get("produced", {}).get(str(path))
+        if produced is None:
+            return "produced" not in recorded
+        return produced["stamp"] == _stamp(path) or produced["sha256"] == sha256sum(path)
 
     def is_done(self, name: str, outputs: Sequence[PathLike], inputs: Sequence[PathLike] = (),
                 params=None) -> bool:
@@ -82,11 +115,10 @@ class Steps:
         outputs = [Path(p) for p in outputs]
         if any(not p.exists() for p in outputs):
             return False
-        for p in outputs:
-            if recorded.get("outputs", {}).get(str(p)) != _size(p):
-                return False
-        want = self._record(name, [], [Path(p) for p in inputs], params, output_sizes={})
-        return recorded.get("params") == want["params"] and recorded.get("inputs") == want["inputs"]
+        want = self._record(name, [Path(p) for p in inputs], params)
+        if recorded.get("params") != want["params"] or recorded.get("inputs") != want["inputs"]:
+            return False
+        return all(self._still_produced(p, recorded) for p in outputs)
 
     def run(self, name: str, outputs: Sequence[PathLike], fn: Callable, inputs: Sequence[PathLike] = (),
             params=None) -> bool:
@@ -105,9 +137,10 @@ class Steps:
         with contextlib.ExitStack() as stack:
             tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
             fn(*tmps)
+            produced = {str(p): _produced(Path(tmp)) for p, tmp in zip(outputs, tmps)}
             # leaving the stack renames every temporary onto its output (in reverse order)
         self.marker_dir.mkdir(parents=True, exist_ok=True)
-        record = self._record(name, outputs, inputs, params)
+        record = self._record(name, inputs, params, produced)
         with atomic_path(marker) as tmp:
             tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
         self.ran.append(name)

@@ -151,10 +151,12 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    RuntimeError while the filesystem has less room than the write still needed) raises
    ``DiskFullError`` at once: one line naming the folder, the bytes the file needs (the
    checkpoint's tensor bytes, or the copied file's size), the bytes free, and that
-   ``checkpoint_last.pt`` is intact and a rerun resumes from it; an uncaught one is printed as
+   ``checkpoint_last.pt`` is intact and a rerun resumes from it (on the first save, which complete
+   checkpoint to copy there); an uncaught one is printed as
    that line alone (fix 7's ``sys.excepthook``). Each part is applied only where the installed
    ``save_checkpoint`` copies with ``PathManager.copy`` / ``torch_persistent_save`` writes a
-   ``.tmp`` it never removes.
+   ``.tmp`` it never removes. The price: replacing ``checkpoint_last.pt`` needs room for the old
+   and the new file side by side for a moment, which the in-place copy did not.
 """
 
 import argparse
@@ -798,8 +800,11 @@ def checkpoint_disk_full_message(error: DiskFullError, path) -> str:
         state = f"{last} is intact; rerunning the same command once there is room resumes from it"
     elif last.is_file():
         state = f"{last} is intact (the previous one); rerunning the same command once there is room resumes from it"
-    else:
+    else:  # the first save of the run: what fix 7 would offer to restore from, if anything
+        intact = [c for c in restore_candidates(last) if c.name != "checkpoint_best.pt"]
         state = "no checkpoint_last.pt was saved yet: a rerun starts from the beginning"
+        if intact:
+            state += f", or resumes from the complete {intact[0].name} after: cp {intact[0]} {last}"
     return f"{error}; {state}"
 
 

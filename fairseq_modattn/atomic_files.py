@@ -89,7 +89,7 @@ def atomic_path(path: PathLike, expected_size: Optional[int] = None, durable: bo
         with reporting_disk_full(path, expected_size, partial=[tmp]):
             yield tmp
             if durable and tmp.is_file():
-                _fsync(tmp)  # ENOSPC can surface only here (delayed allocation, network filesystems)
+                _fsync(tmp)  # some filesystems (delayed allocation, NFS) report ENOSPC only here
         if not tmp.exists():
             raise RuntimeError(f"{tmp} was not written")
         if path.is_dir() and not path.is_symlink():  # appeared while the block ran

@@ -6,6 +6,7 @@ one, and an interrupted run leaves no half-written output that a rerun would tru
 
     atomic_path(path)                 context manager yielding the temporary; renamed on success
     atomic_write(path, write)         the same for a writer that takes a file name (torch.save)
+    atomic_copy(src, dst)             a copy of a file that replaces DST whole or not at all
     write_lines(path, lines)          one line per item, UTF-8, ``\\n``
     write_json_atomically(obj, path)  indented JSON for people (results, summaries of commands)
     write_marked_section(path, name, text) / check_marked_section(path, name)
@@ -19,8 +20,12 @@ Two rules hold everywhere: an existing *directory* is never replaced (deleting i
 whatever a user keeps there), and a path that is itself a temporary is written in place, so
 temporaries never nest (``..NAME.tmp-PID.tmp-PID`` would escape the clean-up after a kill).
 
-Used by ``data/`` (every recipe step), ``analysis/`` (checkpoints, figures) and ``cli/`` (result
-files); it depends on nothing else in the package.
+A write that finds the disk full raises ``disk_space.DiskFullError``, one line naming the folder,
+the space the file needs (``expected_size`` where the writer knows it) and the space free there,
+with the temporary already removed.
+
+Used by ``data/`` (every recipe step), ``analysis/`` (checkpoints, figures), ``cli/`` (result
+files) and ``compat`` fix 13 (fairseq's checkpoints); it depends only on ``disk_space``.
 """
 
 import contextlib
@@ -31,6 +36,8 @@ import re
 import shutil
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
+
+from .disk_space import reporting_disk_full, size_of
 
 PathLike = Union[str, Path]
 
@@ -52,10 +59,16 @@ def check_output_file(path: Optional[PathLike], flag: str = "--output", error=Is
 
 
 @contextlib.contextmanager
-def atomic_path(path: PathLike):
+def atomic_path(path: PathLike, expected_size: Optional[int] = None, durable: bool = False):
     """Yield a temporary path ``.NAME.tmp-PID`` beside PATH; rename it onto PATH when the block
     succeeds, remove it when the block raises. Works for files, and for folders that do not
     exist yet.
+
+    A block that fails because the disk is full raises ``DiskFullError`` (EXPECTED_SIZE, the
+    bytes PATH will take, is what its message says is needed; without it, more than what was
+    written). DURABLE also ``fsync``s a file before the rename, so after a crash of the machine
+    PATH holds the old contents or all of the new ones (checkpoints; a killed process needs no
+    fsync, the rename alone is atomic).
 
     An existing directory at PATH is never replaced (a rename would have to delete it, and
     with it whatever it holds): ``IsADirectoryError`` is raised before the block runs. A PATH
@@ -73,7 +86,10 @@ def atomic_path(path: PathLike):
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     remove_path(tmp)
     try:
-        yield tmp
+        with reporting_disk_full(path, expected_size, partial=[tmp]):
+            yield tmp
+            if durable and tmp.is_file():
+                _fsync(tmp)  # some filesystems (delayed allocation, NFS) report ENOSPC only here
         if not tmp.exists():
             raise RuntimeError(f"{tmp} was not written")
         if path.is_dir() and not path.is_symlink():  # appeared while the block ran
@@ -81,6 +97,15 @@ def atomic_path(path: PathLike):
         os.replace(tmp, path)
     finally:
         remove_path(tmp)
+
+
+def _fsync(path: Path):
+    """Flush the file PATH's data to its disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove_path(path: Path):
@@ -103,12 +128,23 @@ def remove_stale_temporaries(path: PathLike):
             remove_path(stale)
 
 
-def atomic_write(path: PathLike, write: Callable[[str], None]) -> Path:
+def atomic_write(path: PathLike, write: Callable[[str], None], expected_size: Optional[int] = None,
+                 durable: bool = False) -> Path:
     """Create PATH by ``write(temporary_name)`` (for writers that want a file name, such as
     ``torch.save``) under :func:`atomic_path`'s rules; returns PATH."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, expected_size, durable) as tmp:
         write(str(tmp))
     return Path(path)
+
+
+def atomic_copy(src: PathLike, dst: PathLike, durable: bool = False) -> Path:
+    """Copy the file SRC to DST under :func:`atomic_path`'s rules: DST is the old file or the
+    whole copy, never a part of it, whatever interrupts the copy (a full disk, a kill); the
+    temporaries of earlier copies that were killed are removed first. Returns DST."""
+    remove_stale_temporaries(dst)
+    with atomic_path(dst, size_of(src), durable) as tmp:
+        shutil.copyfile(src, tmp)
+    return Path(dst)
 
 
 def write_lines(path: PathLike, lines: Iterable[str]):

@@ -11,7 +11,8 @@ pip package, so this module provides the same selection rules (``checkpointEPOCH
   anything else is refused; a damaged file is named with the intact checkpoints beside it;
 * parameters are summed in float64 and cast back, and integer buffers must agree across the
   checkpoints instead of being integer-divided;
-* the result is written to a temporary file and renamed, so a crash never leaves half a file.
+* the result is written to a temporary file and renamed, so a crash never leaves half a file, and
+  a full disk is one line naming the folder and the space needed.
 """
 
 import logging
@@ -23,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..atomic_files import atomic_write
+from ..disk_space import tensor_bytes
 from . import AnalysisError
 
 logger = logging.getLogger(__name__)
@@ -187,5 +189,11 @@ def average_checkpoints(paths: Sequence[PathLike]) -> dict:
 # ------------------------------------------------------------------ saving
 def save_checkpoint_atomically(state: dict, path: PathLike) -> Path:
     """``torch.save`` STATE to PATH atomically (``atomic_files.atomic_write``), so a later
-    ``fairseq-generate`` never reads a half-written checkpoint."""
-    return atomic_write(path, lambda tmp_name: torch.save(state, tmp_name))
+    ``fairseq-generate`` never reads a half-written checkpoint. A full disk raises
+    ``disk_space.DiskFullError``, whose line names PATH's folder, the bytes STATE needs and the
+    bytes free there."""
+    def write(tmp_name):
+        with open(tmp_name, "wb") as f:  # a Python file object: torch's error then carries the ENOSPC
+            torch.save(state, f)
+
+    return atomic_write(path, write, expected_size=tensor_bytes(state))

@@ -27,6 +27,7 @@ from ..analysis import checkpoints as ckpt
 from ..analysis import scoring
 from ..atomic_files import check_output_file, write_json_atomically
 from ..folder_lock import exclusive_use
+from ..disk_space import describe_disk_full
 from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
 # Flags of fairseq-generate that this command sets itself, or that would move the hypotheses
@@ -76,6 +77,12 @@ def average(argv: List[str]) -> int:
         print(f"wrote {args.output}")
     except AnalysisError as e:
         print(f"fairseq-modattn average: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk is one line naming the folder and the space needed
+        message = describe_disk_full(e, Path(args.output).parent)
+        if message is None:
+            raise
+        print(f"fairseq-modattn average: error: {message}; nothing was written to {args.output}", file=sys.stderr)
         return 1
     return 0
 
@@ -570,6 +577,12 @@ def evaluate(argv: List[str]) -> int:
             write_json_atomically(results, output)
     except AnalysisError as e:
         print(f"fairseq-modattn evaluate: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk (averaged.pt, fairseq-generate's output, the results)
+        message = describe_disk_full(e, args.work_dir or args.output and Path(args.output).parent)
+        if message is None:
+            raise
+        print(f"fairseq-modattn evaluate: error: {message}", file=sys.stderr)
         return 1
     print()
     print(summary_table(results, output))

@@ -120,8 +120,11 @@ def prepare(argv: List[str]) -> int:
         print(f"fairseq-modattn prepare {argv[0]}: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a disk that fills up, a folder made read-only while running...
-        print(f"fairseq-modattn prepare {argv[0]}: error: {e}; finished steps are kept, fix it and rerun "
-              "the same command to continue", file=sys.stderr)
+        from fairseq_modattn.disk_space import describe_disk_full
+
+        # a full disk: the folder, what the failing step needs and the space free there
+        print(f"fairseq-modattn prepare {argv[0]}: error: {describe_disk_full(e) or e}; finished steps are kept, "
+              "fix it and rerun the same command to continue", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"fairseq-modattn prepare {argv[0]}: interrupted; finished steps are kept, "

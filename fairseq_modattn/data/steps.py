@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, List, Sequence
 
 from ..atomic_files import PathLike, atomic_path, remove_stale_temporaries
+from ..disk_space import reporting_disk_full, size_of
 
 
 def sha256sum(path: PathLike) -> str:
@@ -68,7 +69,9 @@ class Steps:
     of every OUTPUT, the step is skipped (returns False). Otherwise ``fn(*tmp_paths)`` writes
     each output to a temporary sibling path, the runner renames them into place and then
     writes the marker atomically (returns True). An exception in FN removes the temporaries
-    and leaves the step unmarked, so nothing it touched is trusted by a rerun.
+    and leaves the step unmarked, so nothing it touched is trusted by a rerun; one that finds
+    the disk full raises ``DiskFullError`` (its line names the folder, what the step had written
+    and the size of its inputs, the estimate of what it needs).
     """
 
     def __init__(self, work_dir: PathLike, log: Callable[[str], None] = None):
@@ -136,7 +139,10 @@ class Steps:
             remove_stale_temporaries(p)
         with contextlib.ExitStack() as stack:
             tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
-            fn(*tmps)
+            # a full disk: one line naming the folder, what the step had written and its inputs' size
+            with reporting_disk_full(outputs[0], partial=tmps, inputs_size=sum(size_of(p) for p in inputs),
+                                     what=f"the outputs of step {name}"):
+                fn(*tmps)
             produced = {str(p): _produced(Path(tmp)) for p, tmp in zip(outputs, tmps)}
             # leaving the stack renames every temporary onto its output (in reverse order)
         self.marker_dir.mkdir(parents=True, exist_ok=True)

@@ -81,8 +81,9 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    a complete torch archive, the wrapper raises ``DamagedCheckpointError`` whose one line names
    the file and the newest intact ``checkpoint_E_U.pt`` / ``checkpointE.pt`` /
    ``checkpoint_best.pt`` of its folder to restore from; an uncaught one is printed as that
-   line alone (``sys.excepthook``, for this exception class and fix 10's only). The package's
-   own loaders (``analysis.checkpoints``, ``analysis.loading``) report the same line.
+   line alone (``sys.excepthook``, for this exception class and those of fixes 10 and 14
+   only). The package's own loaders (``analysis.checkpoints``, ``analysis.loading``) report the
+   same line.
 
 8. ``fairseq-score`` (fairseq 0.12 ``fairseq_cli/score.py``) calls
    ``sacrebleu.corpus_bleu(file, [file])``, which sacrebleu >= 2.0 refuses ("Each element of
@@ -168,6 +169,18 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    ``save_checkpoint`` copies with ``PathManager.copy`` / ``torch_persistent_save`` writes a
    ``.tmp`` it never removes. The price: replacing ``checkpoint_last.pt`` needs room for the old
    and the new file side by side for a moment, which the in-place copy did not.
+14. A data-bin whose dictionaries are not the ones a model of this package was built with is
+   refused by the model's ``load_state_dict`` with ``DictionaryMismatchError``
+   (``fairseq_modattn/dictionaries.py``; docs/design.md, "The model knows its dictionaries").
+   fairseq's commands have no handler of their own for it, so ``fairseq-generate`` and
+   ``fairseq-interactive`` would end in a traceback: fix 7's ``sys.excepthook`` prints this class
+   as its one line too. fairseq 0.12 ``Trainer.load_checkpoint`` (``fairseq-train`` resuming from
+   ``--restore-file`` or ``checkpoint_last.pt``) catches every exception of ``load_state_dict``
+   and raises a bare ``Exception("Cannot load model parameters from checkpoint ...; please
+   ensure that the architectures match.")`` in its place, which hides the reason (a wrong
+   data-bin is not a wrong architecture). Where the installed trainer does that, the hook prints
+   the one-line error that the trainer's exception replaced (its ``__context__``) instead of two
+   tracebacks. Any other exception that ends a command is printed as before.
 """
 
 import argparse
@@ -624,12 +637,28 @@ def _loads_without_checking_file(load_checkpoint_to_cpu) -> bool:
 
 def _report_damaged_checkpoint(exc_type, exc, tb):
     """sys.excepthook: a DamagedCheckpointError (fix 7), UnknownArchitectureError (fix 10) or
-    DiskFullError (fix 13) or FolderInUseError (fix 12) that ends a command is printed as its one
-    line (``fairseq-train: error: checkpoint ... is damaged ...``); anything else as before."""
-    if isinstance(exc, (DamagedCheckpointError, UnknownArchitectureError, DiskFullError, FolderInUseError)):
-        print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {exc}", file=sys.stderr)
+    DiskFullError (fix 13), FolderInUseError (fix 12) or DictionaryMismatchError (fix 14) that
+    ends a command is printed as its one line (``fairseq-train: error: checkpoint ... is damaged
+    ...``), also when fairseq's trainer put its own exception in its place (fix 14); anything else
+    as before."""
+    one_line = _one_line_error(exc)
+    if one_line is not None:
+        print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {one_line}", file=sys.stderr)
     else:
         _PREVIOUS_EXCEPTHOOK(exc_type, exc, tb)
+
+
+def _one_line_error(exc) -> Optional[BaseException]:
+    """EXC when it is one of the one-line error classes, or the one-line error that fairseq's
+    ``Trainer.load_checkpoint`` replaced by its generic exception (fix 14); else None."""
+    one_line = (DamagedCheckpointError, UnknownArchitectureError, DictionaryMismatchError, DiskFullError,
+                FolderInUseError)
+    if isinstance(exc, one_line):
+        return exc
+    if _TRAINER_HIDES_LOAD_ERRORS and type(exc) is Exception and str(exc).startswith(_TRAINER_LOAD_MESSAGE) \
+            and isinstance(exc.__context__, one_line):
+        return exc.__context__
+    return None
 
 
 _PREVIOUS_EXCEPTHOOK = sys.__excepthook__
@@ -920,3 +949,23 @@ if getattr(_FAIRSEQ_TORCH_PERSISTENT_SAVE, "__module__", "") != __name__ and _le
         _FAIRSEQ_TORCH_PERSISTENT_SAVE):
     checkpoint_utils.torch_persistent_save = torch_persistent_save_atomically
     _install_one_line_excepthook()
+
+
+# ------------------------------------------------------------------ 14. dictionaries of another data-bin
+from .dictionaries import DictionaryMismatchError  # noqa: E402  (raised by the models' load_state_dict)
+
+_TRAINER_LOAD_MESSAGE = "Cannot load model parameters from checkpoint"
+
+
+def _trainer_hides_load_errors() -> bool:
+    """Whether the installed fairseq's ``Trainer.load_checkpoint`` replaces the errors of the
+    model's ``load_state_dict`` by its generic exception (fix 14)."""
+    from fairseq.trainer import Trainer
+
+    return _TRAINER_LOAD_MESSAGE in _source_of(Trainer.load_checkpoint)
+
+
+_TRAINER_HIDES_LOAD_ERRORS = _trainer_hides_load_errors()
+# The error comes from this package's own models, so the hook is wanted whatever fairseq is
+# installed: it is put in place here, whether or not fixes 7 and 10 applied.
+_install_one_line_excepthook()

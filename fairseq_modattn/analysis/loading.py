@@ -3,9 +3,12 @@
 Works for this package's models and for plain fairseq checkpoints (``transformer``, ``lstm``,
 ...), so the analysis of a DMA model can be set against the user's own baseline. Loading goes
 through fairseq's ``checkpoint_utils`` with torch's safe loader (``compat.py``, fix 2); a damaged
-file or a refused class is one line of AnalysisError (fix 7).
+file or a refused class is one line of AnalysisError (fix 7). So is a data-bin whose dictionaries
+are not the checkpoint's (``fairseq_modattn/dictionaries.py``): this package's models refuse it
+themselves, and for other checkpoints the data-bin is compared with the one they recorded.
 """
 
+import logging
 import pickle
 from pathlib import Path
 from typing import Iterator, Optional
@@ -14,6 +17,8 @@ import torch
 
 from . import AnalysisError
 
+logger = logging.getLogger(__name__)
+
 
 def load_model(path, data: Optional[str] = None, cpu: bool = True):
     """(model, task, cfg) of the checkpoint ``path``; ``data`` replaces the data-bin recorded in
@@ -21,6 +26,7 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
     import fairseq_modattn  # noqa: F401  (registers the models; the loading fixes of compat.py)
     from fairseq import checkpoint_utils
     from fairseq_modattn import compat
+    from fairseq_modattn.dictionaries import DictionaryMismatchError, check_recorded_data_bin
 
     path = Path(path)
     if not path.is_file():
@@ -29,7 +35,14 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
         raise AnalysisError(f"data-bin {data} does not exist (pass the folder fairseq-preprocess wrote)")
     overrides = {"data": str(data)} if data is not None else {}
     try:
+        # a checkpoint without a fingerprint of its dictionaries (fairseq's own models): compare
+        # the data-bin with the one it recorded; this package's models check in load_state_dict
+        cannot_tell = check_recorded_data_bin(path, data)
+        if cannot_tell:
+            logger.warning(cannot_tell)
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides=overrides)
+    except DictionaryMismatchError as e:
+        raise AnalysisError(str(e)) from e
     except (compat.DamagedCheckpointError, pickle.UnpicklingError) as e:
         # one line: the damaged file and the intact checkpoints beside it (compat fix 7), or the
         # class torch's safe loader refused (fix 2), instead of torch's paragraphs

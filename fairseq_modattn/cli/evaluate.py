@@ -224,6 +224,10 @@ def _run_generate(command: List[str], output: Path, expected: int, log: Callable
     stdout = "".join(lines)
     output.write_text(stdout, encoding="utf-8")
     if code != 0:
+        said = output.with_suffix(".log").read_text(encoding="utf-8").strip().splitlines()
+        one_line = re.match(r"fairseq-generate: error: (.+)$", said[-1]) if said else None
+        if one_line:  # compat.py's one-line errors (a damaged checkpoint, a data-bin of other dictionaries)
+            raise AnalysisError(f"fairseq-generate: {one_line.group(1)}")
         tail = "\n".join((stdout + output.with_suffix(".log").read_text(encoding="utf-8")).strip().splitlines()[-25:])
         raise AnalysisError(f"fairseq-generate exited with status {code}; last lines:\n{tail}")
     return stdout
@@ -375,6 +379,17 @@ def evaluate_checkpoints(
     command += [str(a) for a in extra_generate_args]
     generation = generation_options(command[1:])  # what fairseq-generate will run with (-- args win)
 
+    # the data-bin against the one a checkpoint without a fingerprint of its dictionaries recorded
+    # (this package's models refuse other dictionaries themselves, in fairseq-generate); the
+    # averaged checkpoint keeps the last checkpoint's configuration
+    from ..dictionaries import DictionaryMismatchError, check_recorded_data_bin
+
+    try:
+        cannot_tell = check_recorded_data_bin(checkpoints[-1], data, src, tgt)
+    except DictionaryMismatchError as e:
+        raise AnalysisError(str(e)) from e
+    if cannot_tell:
+        log(f"warning: {cannot_tell}")
     work_dir.mkdir(parents=True, exist_ok=True)
     if len(checkpoints) > 1:
         log(f"averaging {len(checkpoints)} checkpoints: {', '.join(str(c) for c in checkpoints)}")

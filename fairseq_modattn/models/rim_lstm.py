@@ -81,6 +81,7 @@ from fairseq.utils import safe_getattr
 from torch import Tensor, nn
 
 from ..modules.rim import CELL_TYPES, RIMLayer, check_cell_type
+from .dictionary_fingerprint import RecordsDictionaries
 from .flag_types import finite_float
 
 # fairseq's LSTM-encoder flags that LSTMModel.add_args defines but a RIM encoder replaces.
@@ -237,8 +238,9 @@ class RIMEncoder(FairseqEncoder):
 
 # ---------------------------------------------------------------------------- model
 @register_model("rim_lstm")
-class RIMLSTMModel(LSTMModel):
-    """``RIMEncoder`` + fairseq's ``LSTMDecoder`` (see the module docstring)."""
+class RIMLSTMModel(RecordsDictionaries, LSTMModel):
+    """``RIMEncoder`` + fairseq's ``LSTMDecoder`` (see the module docstring), with a fingerprint
+    of its dictionaries checked on load (``dictionary_fingerprint.py``)."""
 
     @classmethod
     def add_args(cls, parser):
@@ -327,7 +329,9 @@ class RIMLSTMModel(LSTMModel):
             max_target_positions=safe_getattr(args, "max_target_positions", DEFAULT_MAX_TARGET_POSITIONS),
             residuals=False,
         )
-        return cls(encoder, decoder)
+        model = cls(encoder, decoder)
+        model.record_data_bin(args, task)
+        return model
 
     @staticmethod
     def _embedding(path, dictionary, dim) -> nn.Embedding:

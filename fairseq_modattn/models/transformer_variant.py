@@ -8,7 +8,9 @@ layers replaced, built through fairseq's own hooks.
 * ``VariantEncoder`` / ``VariantDecoder``: fairseq's encoder and decoder building a given layer
   class, wrapped (activation checkpointing, FSDP) exactly as fairseq wraps its own layers;
 * ``TransformerVariantModel``: ``TransformerModel`` that fills the family's defaults and
-  validates its flags before building, then builds ``encoder_class`` / ``decoder_class``.
+  validates its flags before building, then builds ``encoder_class`` / ``decoder_class``; it
+  records a fingerprint of its dictionaries and refuses weights saved with others
+  (``dictionary_fingerprint.py``).
 """
 
 from typing import List
@@ -24,6 +26,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from ..modules.attention_base import MultiheadAttentionBase
+from .dictionary_fingerprint import RecordsDictionaries
 
 
 def wrap_layer(layer, cfg):
@@ -91,7 +94,7 @@ class VariantDecoder(TransformerDecoderBase):
         return wrap_layer(self.layer_class(cfg, no_encoder_attn), cfg)
 
 
-class TransformerVariantModel(TransformerModel):
+class TransformerVariantModel(RecordsDictionaries, TransformerModel):
     """``TransformerModel`` building ``encoder_class`` / ``decoder_class``.
 
     ``prepare_args(args)`` runs before anything is built: it fills the family's defaults (the
@@ -108,7 +111,9 @@ class TransformerVariantModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         cls.prepare_args(args)
-        return super().build_model(args, task)
+        model = super().build_model(args, task)
+        model.record_data_bin(args, task)
+        return model
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):

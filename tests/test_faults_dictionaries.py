@@ -1,0 +1,239 @@
+"""A data-bin whose dictionaries are not the model's, through the real fairseq commands.
+
+The fault (issue 39): a copy of the training data-bin with ``dict.de.txt`` and ``dict.en.txt``
+reversed line by line (``tac``) has the model's dictionary sizes, so fairseq loaded it silently
+and translated garbage (``H-0 ▁yell ▁yell ▁yell``), and ``evaluate`` wrote its JSON. Now:
+
+* this package's models keep a fingerprint of their dictionaries in their state dict and refuse
+  other dictionaries in one line, in fairseq-generate, fairseq-interactive, fairseq-train's resume,
+  evaluate and serve; averaging keeps the fingerprint; a checkpoint saved before it existed loads
+  with one warning line;
+* for a plain fairseq checkpoint, evaluate and serve compare the data-bin with the one the
+  checkpoint recorded, and warn in one line where they cannot tell.
+"""
+
+import hashlib
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import fairseq_modattn  # noqa: F401  (compat.py, as --user-dir applies it)
+from conftest import MODATTN, PLUGIN, bpe_codes, cli_environment, fairseq_cli, run_cli, tiny_train_args
+from fairseq_modattn.analysis import AnalysisError
+from fairseq_modattn.analysis.loading import load_model
+
+#: the state-dict key of the fingerprint (docs/design.md, "The model knows its dictionaries")
+FINGERPRINT_KEY = "dictionary_fingerprint"
+
+GENERATE = ["--gen-subset", "valid", "--beam", "1", "--max-len-b", "5", "--batch-size", "64", "--cpu"]
+
+
+def run(args, input_text=None):
+    """(exit status, stdout, stderr) of a command."""
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600, input=input_text,
+                          env=cli_environment())
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def last_line(text):
+    return text.strip().splitlines()[-1]
+
+
+def hypotheses(output):
+    return sorted(line for line in output.splitlines() if line.startswith("H-"))
+
+
+def dictionary_fingerprint(path: Path) -> str:
+    """'1a2b3c4d5e6f (N symbols)': SHA-256 over the symbols of the dictionary as fairseq loads it
+    (special symbols first), each length-prefixed, as docs/design.md defines it."""
+    from fairseq.data import Dictionary
+
+    symbols = Dictionary.load(str(path)).symbols
+    digest = hashlib.sha256(b"".join(len(s.encode()).to_bytes(4, "big") + s.encode() for s in symbols))
+    return f"{digest.hexdigest()[:12]} ({len(symbols)} symbols)"
+
+
+@pytest.fixture(scope="module")
+def reordered_bin(multi30k_bin, tmp_path_factory):
+    """The fixture's data-bin with both dictionaries reversed (``tac``): same sizes, other order."""
+    target = tmp_path_factory.mktemp("reordered") / "bin"
+    shutil.copytree(multi30k_bin, target)
+    for lang in ("de", "en"):
+        lines = (multi30k_bin / f"dict.{lang}.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+        (target / f"dict.{lang}.txt").write_text("".join(reversed(lines)), encoding="utf-8")
+    return target
+
+
+@pytest.fixture(scope="module")
+def dma_run(multi30k_bin, tmp_path_factory):
+    """A tiny DMA model of 4 updates: checkpoint_1_2.pt, checkpoint_1_4.pt, checkpoint_last.pt."""
+    save = tmp_path_factory.mktemp("dma_dictionaries")
+    run_cli([fairseq_cli("fairseq-train"), multi30k_bin, *tiny_train_args("dma"), "--max-update", "4",
+             "--save-interval-updates", "2", "--save-dir", save])
+    assert {"checkpoint_1_2.pt", "checkpoint_1_4.pt", "checkpoint_last.pt"} <= {p.name for p in save.glob("*.pt")}
+    return save
+
+
+def assert_names_both(line, multi30k_bin, reordered_bin):
+    """The one line names what the checkpoint was built with and the data-bin's two files."""
+    for lang in ("de", "en"):
+        assert f"{reordered_bin / f'dict.{lang}.txt'} {dictionary_fingerprint(reordered_bin / f'dict.{lang}.txt')}" \
+            in line, line
+    built = dictionary_fingerprint(multi30k_bin / "dict.de.txt")
+    assert f"source dictionary {built}" in line or f"dict.de.txt is {built}" in line, line
+
+
+# ------------------------------------------------------------------ this package's models
+def test_generate_and_interactive_refuse_reordered_dictionaries_in_one_line(multi30k_bin, reordered_bin, dma_run):
+    checkpoint = dma_run / "checkpoint_last.pt"
+    code, out, err = run([fairseq_cli("fairseq-generate"), reordered_bin, "--user-dir", PLUGIN, "--path", checkpoint,
+                          *GENERATE])
+    line = last_line(err)
+    assert code == 1 and "Traceback" not in out + err and not hypotheses(out), err[-3000:]
+    assert line.startswith("fairseq-generate: error: the data-bin's dictionaries are not the ones the checkpoint "
+                           "was built with"), line
+    assert_names_both(line, multi30k_bin, reordered_bin)
+    assert f"(trained on {Path(multi30k_bin).resolve()})" in line, line
+    code, out, err = run([fairseq_cli("fairseq-interactive"), reordered_bin, "--user-dir", PLUGIN, "--path",
+                          checkpoint, "--source-lang", "de", "--target-lang", "en", "--beam", "1", "--cpu"],
+                         input_text="zwei hunde spielen im schnee .\n")
+    assert code == 1 and "Traceback" not in out + err and not hypotheses(out), err[-3000:]
+    assert last_line(err).startswith("fairseq-interactive: error: the data-bin's dictionaries are not"), err[-2000:]
+    assert_names_both(last_line(err), multi30k_bin, reordered_bin)
+
+
+def test_original_data_bin_translates_as_before_and_old_checkpoints_warn_once(multi30k_bin, dma_run, tmp_path):
+    """The fingerprint changes nothing the model computes: a checkpoint without it (as saved
+    before it existed) translates the same, with one line saying that nothing was checked."""
+    checkpoint = dma_run / "checkpoint_last.pt"
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert state["model"][FINGERPRINT_KEY].dtype == torch.int64
+    assert state["model"][FINGERPRINT_KEY].shape == (2, 9)
+    del state["model"][FINGERPRINT_KEY]
+    old = tmp_path / "checkpoint_old.pt"
+    torch.save(state, old)
+    code, out, err = run([fairseq_cli("fairseq-generate"), multi30k_bin, "--user-dir", PLUGIN, "--path", checkpoint,
+                          *GENERATE])
+    assert code == 0 and len(hypotheses(out)) == 100 and "fingerprint" not in out + err, err[-3000:]
+    code, old_out, old_err = run([fairseq_cli("fairseq-generate"), multi30k_bin, "--user-dir", PLUGIN, "--path", old,
+                                  *GENERATE])
+    assert code == 0 and hypotheses(old_out) == hypotheses(out), old_err[-3000:]
+    warnings = [line for line in (old_out + old_err).splitlines() if "records no fingerprint" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], old_err[-3000:]
+    assert "cannot check that the data-bin's dictionaries are the ones it was trained with" in warnings[0]
+
+
+def test_resume_with_reordered_data_bin_is_refused(multi30k_bin, reordered_bin, dma_run, tmp_path):
+    save = tmp_path / "run"
+    shutil.copytree(dma_run, save)
+    code, out, err = run([fairseq_cli("fairseq-train"), reordered_bin, *tiny_train_args("dma"), "--max-update", "6",
+                          "--save-dir", save])
+    line = last_line(err)
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert line.startswith("fairseq-train: error: the data-bin's dictionaries are not the ones the checkpoint was "
+                           "built with"), line
+    assert_names_both(line, multi30k_bin, reordered_bin)
+    assert "num_updates 5" not in out + err  # nothing was trained
+    # --restore-file into a fresh --save-dir
+    code, out, err = run([fairseq_cli("fairseq-train"), reordered_bin, *tiny_train_args("dma"), "--max-update", "6",
+                          "--save-dir", tmp_path / "fresh", "--restore-file", dma_run / "checkpoint_1_2.pt"])
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert last_line(err).startswith("fairseq-train: error: the data-bin's dictionaries are not"), err[-2000:]
+
+
+def test_evaluate_serve_and_analysis_loading_refuse_reordered_dictionaries(multi30k_bin, reordered_bin, dma_run,
+                                                                          tmp_path):
+    code, out, err = run([MODATTN, "evaluate", reordered_bin, "--path", dma_run / "checkpoint_last.pt",
+                          "--subset", "valid", "--beam", "1", "--work-dir", tmp_path / "eval", "--",
+                          "--max-len-b", "5"])
+    line = last_line(err)
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert line.startswith("fairseq-modattn evaluate: error: fairseq-generate: the data-bin's dictionaries are not"), \
+        line
+    assert_names_both(line, multi30k_bin, reordered_bin)
+    assert not (tmp_path / "eval" / "results.json").exists()
+    # redundancy / plot and serve's translator load through analysis.loading
+    with pytest.raises(AnalysisError) as error:
+        load_model(dma_run / "checkpoint_last.pt", reordered_bin)
+    assert "\n" not in str(error.value)
+    assert_names_both(str(error.value), multi30k_bin, reordered_bin)
+    pytest.importorskip("flask", reason="serve needs Flask: pip install -e '.[demo]'")
+    pytest.importorskip("plotly", reason="serve needs plotly: pip install -e '.[demo]'")
+    code, out, err = run([MODATTN, "serve", "--path", dma_run / "checkpoint_last.pt", "--data", reordered_bin,
+                          "--port", "0", "--bpe", "subword_nmt", "--bpe-codes", bpe_codes(multi30k_bin)])
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert last_line(err).startswith("fairseq-modattn serve: error: the data-bin's dictionaries are not"), err[-2000:]
+    assert_names_both(last_line(err), multi30k_bin, reordered_bin)
+
+
+def test_averaged_checkpoints_keep_the_fingerprint(multi30k_bin, reordered_bin, dma_run, tmp_path):
+    output = tmp_path / "averaged.pt"
+    run_cli([MODATTN, "average", "--inputs", dma_run, "--num-update-checkpoints", "2", "--output", output])
+    first = torch.load(dma_run / "checkpoint_1_2.pt", map_location="cpu", weights_only=True)["model"]
+    averaged = torch.load(output, map_location="cpu", weights_only=True)["model"]
+    assert torch.equal(averaged[FINGERPRINT_KEY], first[FINGERPRINT_KEY])
+    # fairseq's scripts/average_checkpoints.py sums integer tensors and floor-divides the sum:
+    # 32-bit words in int64 keep their value for any number of checkpoints one could average
+    total = first[FINGERPRINT_KEY].clone()
+    for _ in range(999):
+        total += first[FINGERPRINT_KEY]
+    assert torch.equal(total // 1000, first[FINGERPRINT_KEY])
+    assert int(first[FINGERPRINT_KEY].max()) < 2 ** 32 and int(first[FINGERPRINT_KEY].min()) >= 0
+    with pytest.raises(AnalysisError, match="the data-bin's dictionaries are not the ones"):
+        load_model(output, reordered_bin)
+    model, _, _ = load_model(output, multi30k_bin)
+    assert torch.equal(getattr(model, FINGERPRINT_KEY), first[FINGERPRINT_KEY])
+    # a buffer, not a parameter: the parameter counts the package reports are unchanged
+    assert FINGERPRINT_KEY not in dict(model.named_parameters())
+
+
+# ------------------------------------------------------------------ plain fairseq checkpoints
+def test_plain_transformer_checkpoint_is_compared_with_its_recorded_data_bin(multi30k_bin, reordered_bin, tmp_path,
+                                                                             caplog):
+    trained_on = tmp_path / "train_bin"
+    shutil.copytree(multi30k_bin, trained_on)
+    save = tmp_path / "transformer"
+    run_cli([fairseq_cli("fairseq-train"), trained_on, *tiny_train_args("transformer"), "--max-update", "2",
+             "--save-dir", save])
+    checkpoint = save / "checkpoint_last.pt"
+
+    def evaluate(data, work):
+        return run([MODATTN, "evaluate", data, "--path", checkpoint, "--subset", "valid", "--beam", "1",
+                    "--work-dir", tmp_path / work, "--", "--max-len-b", "5"])
+
+    code, out, err = evaluate(reordered_bin, "e1")
+    line = last_line(err)
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert line.startswith("fairseq-modattn evaluate: error: the data-bin's dictionaries are not the ones the "
+                           f"checkpoint was trained with: it was trained on {trained_on.resolve()}, whose dict.de.txt "
+                           f"is {dictionary_fingerprint(multi30k_bin / 'dict.de.txt')}"), line
+    assert_names_both(line, multi30k_bin, reordered_bin)
+    assert not (tmp_path / "e1" / "results.json").exists()
+    with pytest.raises(AnalysisError, match=re.escape(f"it was trained on {trained_on.resolve()}")):
+        load_model(checkpoint, reordered_bin)  # serve's translator, redundancy, plot
+    # another folder with the same dictionaries: loads without a warning; the same folder: one
+    # warning, since there is nothing to compare with
+    with caplog.at_level("WARNING"):
+        load_model(checkpoint, multi30k_bin)
+    assert not [r for r in caplog.records if "cannot tell" in r.getMessage()]
+    with caplog.at_level("WARNING"):
+        load_model(checkpoint, trained_on)
+    warnings = [r.getMessage() for r in caplog.records if "cannot tell" in r.getMessage()]
+    assert len(warnings) == 1 and "it recorded this same data-bin" in warnings[0], warnings
+    caplog.clear()
+    # the recorded folder is gone: one warning line, and the evaluation runs
+    shutil.rmtree(trained_on)
+    code, out, err = evaluate(multi30k_bin, "e2")
+    warnings = [line for line in out.splitlines() if "cannot tell" in line]
+    assert code == 0 and (tmp_path / "e2" / "results.json").is_file(), err[-3000:]
+    assert warnings == [f"warning: cannot tell whether the dictionaries of {Path(multi30k_bin).absolute()} are the "
+                        f"ones {checkpoint} was trained with: the data-bin it recorded, {trained_on.resolve()}, no "
+                        "longer holds dict.de.txt and dict.en.txt"], out
+    with caplog.at_level("WARNING"):
+        load_model(checkpoint, reordered_bin)  # cannot tell any more: loads, and warns
+    warnings = [r.getMessage() for r in caplog.records if "cannot tell" in r.getMessage()]
+    assert len(warnings) == 1 and f"{trained_on.resolve()}, no longer holds" in warnings[0], warnings

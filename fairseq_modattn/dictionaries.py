@@ -129,7 +129,8 @@ def check_recorded_data_bin(checkpoint, data, source_lang=None, target_lang=None
     before they kept one): compare the dictionaries of the data-bin DATA with those of the
     data-bin its task recorded. Raises DictionaryMismatchError on a difference; returns a
     one-line warning where it cannot tell (the recorded folder is gone or has no dictionaries,
-    or it is DATA itself), None when they are the same or the checkpoint has a fingerprint
+    or it is DATA itself and its dictionaries are newer than the checkpoint), None when they are
+    the same (or DATA itself, unchanged since the checkpoint was saved) or the checkpoint has a fingerprint
     (its model checks, ``models/dictionary_fingerprint.py``)."""
     recorded = _recorded_task(checkpoint)
     if recorded is None or recorded["fingerprint"] or data is None:
@@ -150,8 +151,14 @@ def check_recorded_data_bin(checkpoint, data, source_lang=None, target_lang=None
     if not all(p.is_file() for p in then):
         return f"{cannot_tell}: the data-bin it recorded, {then[0].parent}, no longer holds {then[0].name} and {then[1].name}"
     if then[0].parent.resolve() == now[0].parent.resolve():
-        return (f"{cannot_tell}: it recorded this same data-bin, and a checkpoint of this model keeps no fingerprint "
-                "of its dictionaries")
+        # Nothing to compare with. Dictionaries older than the checkpoint were there while it was
+        # trained (the usual case: evaluating a run on its own data-bin) and get no warning;
+        # dictionaries written after it was saved mean the folder was prepared again since.
+        saved = Path(checkpoint).stat().st_mtime
+        if all(p.stat().st_mtime <= saved for p in now):
+            return None
+        return (f"{cannot_tell}: it recorded this same data-bin, whose dictionaries were written again after the "
+                "checkpoint was saved, and a checkpoint of this model keeps no fingerprint of its dictionaries")
     then_symbols, now_symbols = [_symbols(p) for p in then], [_symbols(p) for p in now]
     if then_symbols == now_symbols:
         return None

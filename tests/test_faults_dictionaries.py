@@ -13,6 +13,7 @@ and translated garbage (``H-0 ▁yell ▁yell ▁yell``), and ``evaluate`` wrote
 """
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -215,15 +216,20 @@ def test_plain_transformer_checkpoint_is_compared_with_its_recorded_data_bin(mul
     assert not (tmp_path / "e1" / "results.json").exists()
     with pytest.raises(AnalysisError, match=re.escape(f"it was trained on {trained_on.resolve()}")):
         load_model(checkpoint, reordered_bin)  # serve's translator, redundancy, plot
-    # another folder with the same dictionaries: loads without a warning; the same folder: one
-    # warning, since there is nothing to compare with
+    # another folder with the same dictionaries, or the same folder as it was when the checkpoint
+    # was saved: loads without a warning; the same folder with its dictionaries written again
+    # since: one warning, since there is nothing to compare with
     with caplog.at_level("WARNING"):
         load_model(checkpoint, multi30k_bin)
+        load_model(checkpoint, trained_on)
     assert not [r for r in caplog.records if "cannot tell" in r.getMessage()]
+    later = checkpoint.stat().st_mtime + 10
+    os.utime(trained_on / "dict.de.txt", (later, later))
     with caplog.at_level("WARNING"):
         load_model(checkpoint, trained_on)
     warnings = [r.getMessage() for r in caplog.records if "cannot tell" in r.getMessage()]
-    assert len(warnings) == 1 and "it recorded this same data-bin" in warnings[0], warnings
+    assert len(warnings) == 1 and "it recorded this same data-bin, whose dictionaries were written again" \
+        in warnings[0], warnings
     caplog.clear()
     # the recorded folder is gone: one warning line, and the evaluation runs
     shutil.rmtree(trained_on)

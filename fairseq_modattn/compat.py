@@ -699,7 +699,7 @@ def score_input_problem(argv: List[str]) -> Optional[str]:
     parser.prog = "fairseq-modattn score"
     args = parser.parse_args(argv)  # a usage error exits 2 with argparse's one line, as fairseq's would
     for flag, path in (("--ref", args.ref), ("--sys", args.sys)):
-        if path == "-":
+        if path == "-" or not os.path.exists(path):  # a missing file: fairseq's own assertion says so
             continue
         try:
             for _ in iter_lines(path):

@@ -92,7 +92,11 @@ present and does nothing otherwise, so an installed fairseq that already behaves
    ``--user-dir`` and imports no plugin, so nothing here can reach that process;
    ``fairseq-modattn score`` runs fairseq's own ``cli_main`` (same flags, same output) with
    both calls adjusted for its duration only (``fairseq_score_adjusted``), each adjustment
-   applied only when the installed sacrebleu / fairseq shows the behaviour.
+   applied only when the installed sacrebleu / fairseq shows the behaviour. fairseq-score
+   also reads its files unchecked: an empty one ends it with a ZeroDivisionError, a folder
+   with IsADirectoryError, non-UTF-8 bytes with UnicodeDecodeError, each in a traceback;
+   ``fairseq-modattn score`` checks ``--ref`` and ``--sys`` first and says what is wrong in one
+   line (``score_input_problem``).
 
 9. fairseq 0.12 ``tasks/text_to_speech.py`` (as installed by ``fairseq-fixed`` 0.12.3.1) tries
    ``from tensorboardX import SummaryWriter`` when it is imported, which ``import fairseq``
@@ -755,18 +759,53 @@ def fairseq_score_adjusted():
         sacrebleu.corpus_bleu, bleu.Scorer = saved
 
 
+def score_input_problem(argv: List[str]) -> Optional[str]:
+    """Why fairseq-score cannot score the files ARGV names, or None (fix 8): each of ``--ref``
+    and ``--sys`` (unless ``-``, stdin) must be a file of UTF-8 lines with at least one line.
+    fairseq's own reader ends with a ZeroDivisionError on an empty file, IsADirectoryError on
+    a folder and UnicodeDecodeError on other bytes, each deep in a traceback."""
+    from fairseq_cli import score
+
+    from .data.errors import DataError
+    from .data.readers import iter_lines
+
+    parser = score.get_parser()
+    parser.prog = "fairseq-modattn score"
+    args = parser.parse_args(argv)  # a usage error exits 2 with argparse's one line, as fairseq's would
+    for flag, path in (("--ref", args.ref), ("--sys", args.sys)):
+        if path == "-" or not os.path.exists(path):  # a missing file: fairseq's own assertion says so
+            continue
+        try:
+            for _ in iter_lines(path):
+                pass
+        except DataError as e:
+            return f"{flag} {e}"
+    return None
+
+
 def fairseq_score(argv: List[str]) -> int:
     """``fairseq-modattn score``: fairseq-score with its own flags and output (fix 8)."""
     from fairseq_cli import score
 
+    def fail(message) -> int:
+        print(f"fairseq-modattn score: error: {message}", file=sys.stderr)
+        return 1
+
+    problem = score_input_problem(argv)
+    if problem:
+        return fail(problem)
     saved_argv = sys.argv
     sys.argv = ["fairseq-modattn score", *argv]  # fairseq's parser reads sys.argv
     try:
         with fairseq_score_adjusted():
             score.cli_main()
     except (AssertionError, FileNotFoundError) as e:  # fairseq asserts that both files exist
-        print(f"fairseq-modattn score: error: {e}", file=sys.stderr)
-        return 1
+        return fail(e)
+    except ZeroDivisionError:  # only stdin is left unchecked
+        return fail("the system output (--sys -, standard input) is empty: nothing to score")
+    except UnicodeDecodeError as e:
+        return fail(f"the system output (--sys -, standard input) is not UTF-8 text ({e.reason} at byte "
+                    f"{e.start}): convert it to UTF-8")
     finally:
         sys.argv = saved_argv
     return 0

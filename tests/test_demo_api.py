@@ -30,8 +30,8 @@ def clients(translators):
     return {family: create_app(t).test_client() for family, t in translators.items()}
 
 
-def translate(client, text, status=200):
-    response = client.post("/translate", json={"text": text})
+def translate(client, text, status=200, attention=True):
+    response = client.post("/translate", json={"text": text, "attention": attention})
     assert response.status_code == status, response.get_json()
     return response.get_json()
 

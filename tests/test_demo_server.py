@@ -65,7 +65,7 @@ def server(tiny_checkpoints, multi30k_bin):
 
 
 def post(url, text, timeout=120):
-    request = urllib.request.Request(url + "translate", data=json.dumps({"text": text}).encode(),
+    request = urllib.request.Request(url + "translate", data=json.dumps({"text": text, "attention": True}).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -154,7 +154,7 @@ def method_answers(tiny_checkpoints, multi30k_bin):
     for family in ("tim", "rim"):
         translator = Translator(tiny_checkpoints[family], multi30k_bin, bpe="subword_nmt",
                                 bpe_codes=bpe_codes(multi30k_bin), max_len_b=20)
-        response = create_app(translator).test_client().post("/translate", json={"text": SENTENCE})
+        response = create_app(translator).test_client().post("/translate", json={"text": SENTENCE, "attention": True})
         assert response.status_code == 200, response.get_json()
         answers[family] = response.get_json()
     return answers

@@ -33,6 +33,11 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
         raise AnalysisError(f"checkpoint {path} does not exist (pass the .pt file fairseq-train saved)")
     if data is not None and not Path(data).is_dir():
         raise AnalysisError(f"data-bin {data} does not exist (pass the folder fairseq-preprocess wrote)")
+    if data is not None and not any(Path(data).glob("dict.*.txt")):
+        # fairseq would say "Could not infer language pair, please provide it explicitly" deep in
+        # a traceback (the language pair is inferred from these files' names)
+        raise AnalysisError(f"data-bin {data} holds no dictionaries (dict.SRC.txt and dict.TGT.txt, which "
+                            "fairseq-preprocess writes): pass the data-bin folder the model was trained on")
     overrides = {"data": str(data)} if data is not None else {}
     try:
         # a checkpoint without a fingerprint of its dictionaries (fairseq's own models): compare

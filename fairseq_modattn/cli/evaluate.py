@@ -28,6 +28,8 @@ from ..analysis import scoring
 from ..atomic_files import check_output_file, write_json_atomically
 from ..folder_lock import exclusive_use
 from ..disk_space import describe_disk_full
+from ..data.errors import DataError
+from ..data.readers import read_lines
 from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
 # Flags of fairseq-generate that this command sets itself, or that would move the hypotheses
@@ -183,8 +185,10 @@ def _check_extra_args(extra: Sequence[str]):
 def _read_references(path: Path, expected: int, subset: str) -> List[str]:
     if not Path(path).is_file():
         raise AnalysisError(f"--references {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\r\n") for line in f]
+    try:  # UTF-8 or an error naming the line, a byte-order mark dropped
+        lines = read_lines(path, allow_empty=True)
+    except DataError as e:
+        raise AnalysisError(f"--references {e}") from None
     if len(lines) != expected:
         raise AnalysisError(f"--references {path} has {len(lines)} lines but split {subset} has {expected} "
                             "sentences: expected one raw (detokenized) reference per sentence, in data-bin order")
@@ -224,13 +228,24 @@ def _run_generate(command: List[str], output: Path, expected: int, log: Callable
     stdout = "".join(lines)
     output.write_text(stdout, encoding="utf-8")
     if code != 0:
-        said = output.with_suffix(".log").read_text(encoding="utf-8").strip().splitlines()
-        one_line = re.match(r"fairseq-generate: error: (.+)$", said[-1]) if said else None
+        log_file = output.with_suffix(".log")
+        said = last_error_line(stdout + log_file.read_text(encoding="utf-8", errors="replace"))
+        one_line = re.match(r"fairseq-generate: error: (.+)$", said)
         if one_line:  # compat.py's one-line errors (a damaged checkpoint, a data-bin of other dictionaries)
             raise AnalysisError(f"fairseq-generate: {one_line.group(1)}")
-        tail = "\n".join((stdout + output.with_suffix(".log").read_text(encoding="utf-8")).strip().splitlines()[-25:])
-        raise AnalysisError(f"fairseq-generate exited with status {code}; last lines:\n{tail}")
+        raise AnalysisError(f"fairseq-generate exited with status {code}{f': {said}' if said else ''} "
+                            f"(its output: {output}, {log_file})")
     return stdout
+
+
+_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Interrupt)\b|[\w.-]+: error: )")
+
+
+def last_error_line(text: str) -> str:
+    """The last line of a failed command's output that states the error (Python's final
+    traceback line or argparse's ``PROG: error: ...``), else its last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if _ERROR_LINE.match(line)), lines[-1] if lines else "")[:500]
 
 
 def _json_value(value):
@@ -271,8 +286,26 @@ def generation_options(generate_args: Sequence[str]) -> Dict[str, object]:
                             f"{said[-1] if said else shlex.join(generate_args)}") from None
     finally:
         quiet.setLevel(level)
-    return {f.name: _json_value(getattr(args, f.name)) for f in dataclasses.fields(GenerationConfig)
-            if not f.name.startswith("_") and hasattr(args, f.name)}
+    options = {f.name: _json_value(getattr(args, f.name)) for f in dataclasses.fields(GenerationConfig)
+               if not f.name.startswith("_") and hasattr(args, f.name)}
+    _check_length_limits(options)
+    return options
+
+
+def _check_length_limits(options: Dict[str, object]) -> None:
+    """fairseq's SequenceGenerator asserts min_len <= int(max_len_a * source length + max_len_b)
+    for every batch ("min_len cannot be larger than max_len"); for a source of one token (its
+    </s>) that fails at once, so say which flags to change before running fairseq-generate."""
+    a, b, min_len = options.get("max_len_a"), options.get("max_len_b"), options.get("min_len")
+    if not all(isinstance(v, (int, float)) for v in (a, b, min_len)):
+        return
+    longest = int(a * 1 + b)
+    if longest < min_len:
+        raise AnalysisError(
+            f"fairseq-generate arguments --max-len-a {a} --max-len-b {b} allow translations of at most {longest} "
+            f"tokens for a one-token source, fewer than --min-len {min_len} (fairseq-generate would stop with "
+            "'min_len cannot be larger than max_len'): give --max-len-b of at least "
+            f"{int(min_len - a)} (fairseq's default is 200) or a lower --min-len")
 
 
 _LOGGED_GENERATION = re.compile(r"fairseq_cli\.generate\b.*?'generation': (\{[^{}]*\})")

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from ..demo import MAX_RESPONSE_BYTES
 from ..demo.text import LOWERCASE, SUBWORDS, TOKENIZERS, subword_choice
 from ..help_format import DefaultsHelpFormatter
 
@@ -51,6 +52,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len-b", type=int, default=200, help="the longest translation, in target tokens")
     p.add_argument("--max-chars", type=int, default=1000,
                    help="the longest text a request may send, in characters (longer: HTTP 413)")
+    p.add_argument("--max-response-bytes", type=int, default=MAX_RESPONSE_BYTES, metavar="BYTES",
+                   help="the longest answer, in bytes of JSON: attention views that would make it longer are "
+                        "averaged over blocks of consecutive tokens (the answer's view_pooling says how many); "
+                        "an answer over it even so is HTTP 413. The views come only with {\"attention\": true} "
+                        "in the request, which the page sends")
     # the input goes through the text steps `fairseq-modattn prepare` recorded in --data (its
     # prepare-manifest.json); each auto takes the recorded setting, any other value overrides it
     p.add_argument("--bpe", type=subword_choice, choices=SUBWORDS, default="auto",
@@ -202,7 +208,8 @@ def run(args, sock: socket.socket, prog: str, fail) -> int:
     try:
         translator = Translator(args.path, args.data, beam=args.beam, max_len_b=args.max_len_b,
                                 tokenizer=args.tokenizer, lowercase=args.lowercase, bpe=args.bpe,
-                                bpe_codes=args.bpe_codes, max_chars=args.max_chars, cpu=not args.gpu)
+                                bpe_codes=args.bpe_codes, max_chars=args.max_chars,
+                                max_response_bytes=args.max_response_bytes, cpu=not args.gpu)
     except DemoError as e:
         return fail(str(e))
     try:

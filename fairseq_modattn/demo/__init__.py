@@ -10,6 +10,9 @@ Flask and plotly are the ``demo`` extra (``pip install 'fairseq-modattn[demo]'``
 is imported by ``fairseq_modattn/__init__.py``.
 """
 
+#: the default cap of one JSON answer (``--max-response-bytes``; ``translator.py`` says how it holds)
+MAX_RESPONSE_BYTES = 4_000_000
+
 
 class DemoError(Exception):
     """Bad start-up input (checkpoint, data-bin, subword model): the message says what and where."""

@@ -5,14 +5,18 @@
                          Plotly, served from the installed ``plotly`` Python package: no CDN,
                          no build step, works without internet access
     GET  /info           the model: name, family, parameters, beam, limits, text pipeline
-    POST /translate      {"text": "..."} -> the translation and what the model did
-                         (``translator.Translator.translate``)
+    POST /translate      {"text": "..."} -> the translation and its tokens;
+                         {"text": "...", "attention": true} -> also what the model did: the
+                         attention and the method's views, pooled over blocks of tokens where
+                         they would make the answer longer than --max-response-bytes
+                         (``translator.Translator.respond``)
 
 Errors are JSON ``{"error": message}``: 400 for a body that is not a JSON object with a string
-``text`` (JSON nested too deeply for Python's parser included), or text with nothing to
-translate; 413 for text over ``--max-chars`` characters or over the model's source positions
-(and for bodies too large to hold such text); 404 / 405 for other paths and methods; 500
-(logged with its traceback) for a failure inside the model.
+``text`` (JSON nested too deeply for Python's parser included), an ``attention`` that is not
+true or false, or text with nothing to translate; 413 for text over ``--max-chars`` characters
+or over the model's source positions (and for bodies too large to hold such text), and for an
+answer over ``--max-response-bytes`` even with its views pooled; 404 / 405 for other paths and
+methods; 500 (logged with its traceback) for a failure inside the model.
 
 The translator serialises its work with a lock (the hooks and the models' "last forward"
 state belong to one sentence at a time), so the threaded server answers concurrent requests
@@ -22,7 +26,7 @@ one after another.
 import logging
 from pathlib import Path
 
-from flask import Flask, jsonify, request, send_file, send_from_directory
+from flask import Flask, Response, jsonify, request, send_file, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from .translator import InputError, Translator
@@ -69,7 +73,8 @@ def create_app(translator: Translator) -> Flask:
         if not isinstance(body, dict) or "text" not in body:
             return error('send a JSON object {"text": "..."} with Content-Type: application/json', 400)
         try:
-            return jsonify(translator.translate(body["text"]))
+            return Response(translator.respond(body["text"], body.get("attention", False)),
+                            mimetype="application/json")
         except InputError as e:
             return error(str(e), e.status)
 

@@ -57,12 +57,19 @@ function range(n, prefix) {
   return Array.from({ length: n }, (_, i) => `${prefix} ${i + 1}`);
 }
 
+// The labels of the views' rows and columns: the tokens, or for a long text whose views the
+// server pooled over blocks of tokens (view_pooling > 1, to keep its answer under
+// --max-response-bytes), each block's "first…last".
+function viewTokens(side) {
+  return result.view_tokens[side];
+}
+
 // Query (row) and key (column) tokens of an attention type.
 function axes(kind) {
-  const src = result.source_tokens;
-  const tgt = result.target_tokens;
+  const src = viewTokens("source");
+  const tgt = viewTokens("target");
   if (kind === "enc_self") return [src, src];
-  if (kind === "dec_self") return [tgt, result.decoder_input_tokens];
+  if (kind === "dec_self") return [tgt, viewTokens("decoder_input")];
   return [tgt, src];
 }
 
@@ -98,14 +105,14 @@ function drawDma() {
 
 function drawTim() {
   const layer = result.tim[Number($("tim-layer").value)];
-  const rows = layer.side === "encoder" ? result.source_tokens : result.target_tokens;
+  const rows = viewTokens(layer.side === "encoder" ? "source" : "target");
   heatmap($("tim-heatmap"), layer.competition, rows, null, `competition, ${layer.layer}`,
           { colorscale: SCALES.competition, zmax: 1, xTitle: "mechanism" });
 }
 
 function drawRim() {
   const layer = result.rim[Number($("rim-layer").value)];
-  heatmap($("rim-heatmap"), layer.activation, result.source_tokens, null, `activation, ${layer.layer}`,
+  heatmap($("rim-heatmap"), layer.activation, viewTokens("source"), null, `activation, ${layer.layer}`,
           { colorscale: SCALES.activation, zmax: 1, xTitle: "RIM" });
 }
 
@@ -115,6 +122,7 @@ function show(data) {
   $("translation").textContent = data.translation;
   const notes = [`${data.source_tokens.length} source and ${data.target_tokens.length} target tokens`,
                  `score ${data.score.toFixed(3)}`, `${data.milliseconds} ms`];
+  if (data.view_pooling > 1) notes.push(`views averaged over blocks of ${data.view_pooling} tokens (a long text)`);
   if (data.unknown_tokens.length) notes.unshift(`unknown to the model (read as <unk>): ${data.unknown_tokens.join(" ")}`);
   $("details").textContent = notes.join(" · ");
 
@@ -149,7 +157,8 @@ async function translate() {
   $("translate").disabled = true;
   try {
     const response = await fetch("/translate", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ text }),
+      // attention: the views this page draws (the API leaves them out unless asked)
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ text, attention: true }),
     });
     const data = await response.json();
     if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);

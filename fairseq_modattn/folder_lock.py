@@ -21,7 +21,9 @@ checks that the path still names the file it locked (same inode) and otherwise t
 moment at most one process holds the lock of a path.
 
 Locks are re-entrant within one process (a command that locks its output dir and then calls a
-helper that locks the same dir holds it once). Paths are resolved first, so ``out`` and
+helper that locks the same dir holds it once). A folder's lock also covers what lies directly in
+it: another process locking a file or folder there is refused too (``evaluate --output
+OTHER_RUN/evaluation/results.json`` while that evaluation runs). Paths are resolved first, so ``out`` and
 ``./out/../out`` are one lock; two names of one folder through a symlink also resolve to one.
 """
 
@@ -129,7 +131,14 @@ def acquire(path: PathLike, *, error: Type[Exception] = FolderInUseError, what: 
             fd, depth = _HELD[resolved]
             _HELD[resolved] = (fd, depth + 1)
         else:
-            _HELD[resolved] = (_acquire(resolved, error, what or "output", path), 1)
+            fd = _acquire(resolved, error, what or "output", path)
+            owner = current_holder(resolved.parent)
+            if owner is not None and owner != os.getpid() and resolved.parent not in _HELD:
+                _release(resolved, fd)  # a file or folder directly inside a folder another run holds
+                raise error(f"{what or 'output'} {path} is in {resolved.parent}, which is in use by "
+                            f"{holder(resolved.parent)}: one run writes a folder at a time; wait for it to "
+                            "finish, or give another path")
+            _HELD[resolved] = (fd, 1)
     return resolved
 
 

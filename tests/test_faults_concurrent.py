@@ -188,9 +188,9 @@ def test_second_evaluate_sharing_a_work_dir_is_refused_and_the_first_matches_a_s
     with running(evaluate_command(multi30k_bin, tiny_checkpoints["dma"], work)) as first:
         wait_until_held(work, first)
         refused(evaluate_command(multi30k_bin, tiny_checkpoints["transformer"], work), first.pid, f"--work-dir {work}")
-        # the same --output with another work dir is refused too
+        # an --output in the first one's work dir (here, its results.json) is refused too
         refused(evaluate_command(multi30k_bin, tiny_checkpoints["transformer"], tmp_path / "w2", "--output",
-                                 work / "results.json"), first.pid, "--output")
+                                 work / "results.json"), first.pid, f"--output {work / 'results.json'} is in {work}")
         finish(first)
     run_cli(evaluate_command(multi30k_bin, tiny_checkpoints["dma"], tmp_path / "solo"))
     ours = json.loads((work / "results.json").read_text())

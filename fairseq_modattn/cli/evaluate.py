@@ -12,6 +12,7 @@ sacreBLEU of a lower-cased system against true-case references is case-insensiti
 """
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -612,8 +613,11 @@ def evaluate(argv: List[str]) -> int:
         if work_dir.exists() and not work_dir.is_dir():
             raise AnalysisError(f"--work-dir {work_dir} is a file; give a folder")
         # one writer per folder: two evaluations sharing a work dir would read one averaged.pt
-        with exclusive_use(work_dir, error=AnalysisError, what="--work-dir"), \
-                exclusive_use(output, error=AnalysisError, what="--output"):
+        # (the default results.json lies in the work dir, whose lock covers it, and locking it
+        # apart would create the work dir before the inputs are checked)
+        with exclusive_use(work_dir, error=AnalysisError, what="--work-dir"), contextlib.ExitStack() as stack:
+            if output.parent.resolve() != work_dir.resolve():
+                stack.enter_context(exclusive_use(output, error=AnalysisError, what="--output"))
             results = evaluate_checkpoints(
                 args.data, checkpoints, subset=args.subset, beam=args.beam, batch_size=args.batch_size,
                 max_tokens=args.max_tokens, lenpen=args.lenpen, compound_split=args.compound_split,

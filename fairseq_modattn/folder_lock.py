@@ -22,8 +22,9 @@ moment at most one process holds the lock of a path.
 
 Locks are re-entrant within one process (a command that locks its output dir and then calls a
 helper that locks the same dir holds it once). A folder's lock also covers what lies directly in
-it: another process locking a file or folder there is refused too (``evaluate --output
-OTHER_RUN/evaluation/results.json`` while that evaluation runs). Paths are resolved first, so ``out`` and
+it: a process other than the holder and its descendants (a benchmark's own fairseq-train
+writing its run folder inside the benchmark's) locking a file or folder there is refused too
+(``evaluate --output OTHER_RUN/evaluation/results.json`` while that evaluation runs). Paths are resolved first, so ``out`` and
 ``./out/../out`` are one lock; two names of one folder through a symlink also resolve to one.
 """
 
@@ -86,6 +87,19 @@ def current_holder(path: PathLike) -> Optional[int]:
     return int(pid)
 
 
+def _this_process_and_its_ancestors() -> set:
+    """This process's pid and its ancestors' (a command's own children, such as the fairseq-train
+    of a benchmark writing into the benchmark's folder, are the same writer as the command)."""
+    pids, pid = {os.getpid()}, os.getppid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:  # Linux: the parent's pid is the 4th field of /proc/PID/stat, after "(comm)"
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
 def _acquire(path: Path, error: Type[Exception], what: str, shown: PathLike) -> int:
     lock = lock_file(path)
     while True:
@@ -133,7 +147,7 @@ def acquire(path: PathLike, *, error: Type[Exception] = FolderInUseError, what: 
         else:
             fd = _acquire(resolved, error, what or "output", path)
             owner = current_holder(resolved.parent)
-            if owner is not None and owner != os.getpid() and resolved.parent not in _HELD:
+            if owner is not None and owner not in _this_process_and_its_ancestors() and resolved.parent not in _HELD:
                 _release(resolved, fd)  # a file or folder directly inside a folder another run holds
                 raise error(f"{what or 'output'} {path} is in {resolved.parent}, which is in use by "
                             f"{holder(resolved.parent)}: one run writes a folder at a time; wait for it to "

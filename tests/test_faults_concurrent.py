@@ -225,3 +225,18 @@ def test_every_other_writer_refuses_an_output_in_use(multi30k_bin, tiny_checkpoi
         for path, command, flag in cases:
             refused(command, pid, f"{flag} {path}")
             assert not path.exists(), path  # nothing written there
+
+
+def test_a_folder_lock_covers_its_entries_except_for_the_holders_own_children(tmp_path):
+    """What lies directly in a held folder is refused to other processes, not to the holder's
+    children (a benchmark's fairseq-train writes its --save-dir inside the benchmark's folder)."""
+    lock_entry = ("import sys\nfrom fairseq_modattn.folder_lock import FolderInUseError, acquire\n"
+                  "try:\n    acquire(sys.argv[1], what='--save-dir')\n"
+                  "except FolderInUseError as e:\n    sys.exit(f'error: {e}')\nprint('locked')\n")
+    entry = tmp_path / "bench" / "dma"
+    with folder_lock.exclusive_use(tmp_path / "bench"):
+        child = subprocess.run([sys.executable, "-c", lock_entry, entry], capture_output=True, text=True,
+                               env=cli_environment(), timeout=300)
+        assert child.returncode == 0 and child.stdout.strip() == "locked", child.stderr[-2000:]
+    with held_by_another_process(tmp_path / "bench") as pid:
+        refused([sys.executable, "-c", lock_entry, entry], pid, f"--save-dir {entry} is in {tmp_path / 'bench'}")

@@ -39,12 +39,6 @@ def sha256sum(path: PathLike) -> str:
     return h.hexdigest()
 
 
-def _size(path: Path) -> int:
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return path.stat().st_size
-
-
 def _stamp(path: Path) -> str:
     """Sizes and modification times of PATH's files (a cheap identity: a rename keeps both, any
     rewrite changes the time); hashed for a folder, so the record stays one short string."""
@@ -58,7 +52,7 @@ def _stamp(path: Path) -> str:
 
 def _produced(path: Path) -> dict:
     """What the marker records of an output (read from the temporary the step wrote)."""
-    return {"size": _size(path), "sha256": sha256sum(path), "stamp": _stamp(path)}
+    return {"size": size_of(path), "sha256": sha256sum(path), "stamp": _stamp(path)}
 
 
 class Steps:
@@ -99,7 +93,7 @@ class Steps:
         """Whether PATH is the output the marker describes. Markers of versions before
         ``produced`` was recorded only had sizes, which is all they can be checked against."""
         size = recorded.get("outputs", {}).get(str(path))
-        if size != _size(path):
+        if size != size_of(path):
             return False
         produced = recorded.get("produced", {}).get(str(path))
         if produced is None:

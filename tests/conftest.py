@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import tiers
+
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "fairseq_modattn"
 BIN = Path(sys.executable).parent
@@ -24,6 +26,31 @@ def pytest_addoption(parser):
         default=os.environ.get("FAIRSEQ_MODATTN_SHARED_DATA", str(REPO.parent / "shared" / "data")),
         help="folder holding multi30k/ and iwslt16-de-en-dev/ (default: ../shared/data)",
     )
+    parser.addoption(
+        "--require-shared-data", action="store_true",
+        help="fail, instead of skipping, the tests whose shared corpus is missing (CI passes it)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the tier markers given here
+def pytest_collection_modifyitems(config, items):
+    config.stash[TIER_COUNTS] = tiers.assign(items)
+
+
+def pytest_report_collectionfinish(config, items):
+    counts = config.stash.get(TIER_COUNTS, None)
+    if counts:
+        return "tiers of the collected tests: " + ", ".join(f"{tier} {n}" for tier, n in counts.items())
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """A fast test that starts a process fails: its helper belongs to the e2e tier (tiers.py)."""
+    if request.node.get_closest_marker(tiers.FAST):
+        tiers.forbid_processes(monkeypatch)
+
+
+TIER_COUNTS = pytest.StashKey[dict]()
 
 
 def fairseq_cli(name: str) -> str:
@@ -50,6 +77,7 @@ def cli_environment(**extra) -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
 
 
+@tiers.starts_processes
 def run_cli(args, cwd=None, input_text=None, timeout=600, check=True):
     """Run a real fairseq-* command; return its combined output (raise with it on failure)."""
     env = cli_environment()
@@ -63,11 +91,16 @@ def run_cli(args, cwd=None, input_text=None, timeout=600, check=True):
     return proc.returncode, output
 
 
+@tiers.needs_shared_corpus
 def shared_corpus(pytestconfig, name: str, probe: str, what: str) -> Path:
-    """The folder NAME of the shared data (skip the test when its file PROBE is absent)."""
+    """The folder NAME of the shared data. When its file PROBE is absent the test is skipped, or
+    fails under --require-shared-data (so that CI cannot pass by skipping)."""
     path = Path(pytestconfig.getoption("--shared-data")) / name
     if not (path / probe).exists():
-        pytest.skip(f"{what} not found at {path} (pass --shared-data PATH)")
+        message = f"{what} not found at {path} (pass --shared-data PATH)"
+        if pytestconfig.getoption("--require-shared-data"):
+            pytest.fail(f"{message}; --require-shared-data makes this a failure", pytrace=False)
+        pytest.skip(message)
     return path
 
 

@@ -11,6 +11,7 @@ from fairseq import options, tasks, utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.trainer import Trainer
 
+import tiers
 from conftest import tiny_train_args
 
 # a later --arch overrides the tiny transformer's
@@ -25,6 +26,7 @@ def train_args(family):
     return tiny_train_args(family)
 
 
+@tiers.trains
 def build_trainer(data, family, save_dir, *extra):
     """fairseq's Trainer of FAMILY's tiny model (flags EXTRA appended), seeded as fairseq-train seeds."""
     argv = [str(a) for a in (data, *train_args(family), *extra, "--save-dir", save_dir)]

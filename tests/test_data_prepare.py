@@ -187,6 +187,7 @@ def test_clean_corpus_like_moses():
     assert (st.too_short, st.too_long, st.bad_ratio, st.kept) == (1, 1, 1, 3)
 
 
+@pytest.mark.e2e  # the tokeniser's worker pool starts processes (tests/tiers.py)
 def test_tokenize_workers_and_dashes():
     lines = [f"Hello, world-wide \"thing\" & co. number {i}!" for i in range(2500)]
     one = tokenize(lines, "en", lower=True, aggressive_dash_splits=True)

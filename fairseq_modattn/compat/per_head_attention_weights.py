@@ -11,8 +11,8 @@ input-width assert) and restores it afterwards. Nothing global is changed, so ``
 nothing; the fix is listed in ``compat.FIXES`` to keep all fixes in one numbered list.
 
 When it can go: the context manager leaves a module alone that is not a fairseq
-``MultiheadAttention`` or has no ``skip_embed_dim_check``; it can go once fairseq's fast path
-honours ``need_head_weights`` (then analysis/capture.py can call the module directly).
+``MultiheadAttention`` or has no ``skip_embed_dim_check`` (the flag it relies on); it is needed
+as long as fairseq's fast path returns head-averaged weights under ``need_head_weights=True``.
 """
 
 from contextlib import contextmanager

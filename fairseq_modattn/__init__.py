@@ -2,10 +2,14 @@
 
 Load with ``--user-dir fairseq_modattn`` (or ``import fairseq_modattn``). fairseq's
 ``--user-dir`` imports only ``models/`` and ``tasks/`` by itself, so this file imports the
-rest; ``compat`` first, because it restores fairseq behaviour everything else relies on.
+rest; ``compat`` first, because it restores fairseq behaviour everything else relies on (and
+two of its fixes must act around fairseq's first import).
 """
 
-from . import compat  # noqa: F401  (documented fairseq/torch fixes; see compat.py)
-from . import criterions, models, modules  # noqa: F401
+from . import compat
+
+compat.apply()  # the documented fairseq/torch fixes, in order (fairseq_modattn/compat/__init__.py)
+
+from . import criterions, models, modules  # noqa: E402,F401  (after the fixes they rely on)
 
 __version__ = "0.1.0"

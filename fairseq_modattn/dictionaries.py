@@ -18,7 +18,8 @@ left out: they do not change what an id means), kept as the number of symbols an
 words. Small non-negative integers survive fairseq's ``scripts/average_checkpoints.py``, which
 sums integer tensors and then floor-divides by the number of checkpoints: one int64 holding a
 64-bit digest would overflow in that sum, eight 32-bit words need over 2^31 checkpoints to.
-This module imports nothing of fairseq at import time (``compat.py`` imports the error class).
+This module imports nothing of fairseq at import time (``compat/one_line_errors.py`` imports the
+error class).
 """
 
 import hashlib
@@ -100,7 +101,9 @@ def _recorded_task(path) -> Optional[dict]:
     """What the checkpoint file PATH says about its dictionaries, read without loading its
     tensors (torch's mmap; safe loader): {"fingerprint": bool, "data", "source_lang",
     "target_lang"}; None when the file cannot be read this way (the real loader then reports)."""
-    from . import compat  # noqa: F401  (the safe loader's allow-list, fix 2)
+    from . import compat
+
+    compat.apply()  # the safe loader's allow-list (fix 4); a no-op once the package applied it
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -1,5 +1,6 @@
 """The help of every ``fairseq-modattn`` command: each default shown once, no "(default: None)"
-noise, and no tensorboardX notice (compat.py, fix 9) before a help or a one-line error.
+noise, and no tensorboardX notice (compat fix 1, compat/tensorboardx_notice.py) before a help or
+a one-line error.
 
 The notice is logged while fairseq is imported, so it is looked for in fresh interpreters: the
 console script itself (``fairseq-modattn -h`` and a few argument errors), and one interpreter
@@ -128,10 +129,10 @@ def test_helps_print_no_tensorboardx_notice(helps):
 
 
 def test_fairseq_itself_logs_the_notice(hidden_tensorboardx):
-    """The behaviour fix 9 corrects, seen in the same setting (else the tests here prove nothing)."""
-    from fairseq_modattn import compat
+    """The behaviour fix 1 corrects, seen in the same setting (else the tests here prove nothing)."""
+    from fairseq_modattn.compat import tensorboardx_notice
 
-    if not compat._logs_tensorboardx_notice():
+    if not tensorboardx_notice._logs_tensorboardx_notice():
         pytest.skip("the installed fairseq does not log the tensorboardX notice")
     code, _, err = run([sys.executable, "-c", "import fairseq"], env=hidden_tensorboardx)
     assert code == 0, err
@@ -209,19 +210,19 @@ def test_arch_formatter_names_an_architecture_value_its_help_does_not():
 
 
 def test_the_filter_drops_the_notice_only():
-    """compat.py fix 9: on fairseq's text_to_speech logger, the notice goes and nothing else."""
+    """compat fix 1: on fairseq's text_to_speech logger, the notice goes and nothing else."""
     import logging
 
-    from fairseq_modattn import compat
+    from fairseq_modattn.compat import tensorboardx_notice
 
     log = logging.getLogger("fairseq.tasks.text_to_speech")
-    if compat._logs_tensorboardx_notice():
-        assert sum(isinstance(f, compat.DropTensorboardXNotice) for f in log.filters) == 1
+    if tensorboardx_notice._logs_tensorboardx_notice():
+        assert sum(isinstance(f, tensorboardx_notice.DropTensorboardXNotice) for f in log.filters) == 1
 
     def record(message, name="fairseq.tasks.text_to_speech"):
         return logging.LogRecord(name, logging.INFO, __file__, 1, message, None, None)
 
-    drop = compat.DropTensorboardXNotice()
+    drop = tensorboardx_notice.DropTensorboardXNotice()
     assert not drop.filter(record("Please install tensorboardX: pip install tensorboardX"))
     assert drop.filter(record("loading speech data"))
     assert drop.filter(record("Please install tensorboardX: pip install tensorboardX", name="elsewhere"))
@@ -231,7 +232,7 @@ ROOT_LOGGER_STATE = "import logging; r = logging.getLogger(); print(r.level, len
 
 
 def test_importing_the_plugin_leaves_the_root_logger_alone():
-    """compat.py fix 11: fairseq's import sets the root logger to DEBUG with a stderr handler
+    """compat fix 2: fairseq's import sets the root logger to DEBUG with a stderr handler
     (wav2vec2_classification.py), so a script importing the plugin printed every library's debug
     records; after ``import fairseq_modattn`` the root logger is as Python left it, and a debug
     record of another library prints nothing."""
@@ -242,7 +243,7 @@ def test_importing_the_plugin_leaves_the_root_logger_alone():
 
 
 def test_fairseq_itself_sets_the_root_logger_to_debug():
-    """The behaviour fix 11 corrects (else the test above proves nothing), and fix 11 leaves a root
+    """The behaviour fix 2 corrects (else the test above proves nothing), and fix 2 leaves a root
     logger alone that fairseq configured before the plugin was imported."""
     code, out, err = run([sys.executable, "-c", "import importlib.util, pathlib; print(pathlib.Path("
                           "importlib.util.find_spec('fairseq.models.wav2vec.wav2vec2_classification').origin)"

@@ -1,11 +1,11 @@
-"""compat.py: each fix does what its docstring says, and is applied only where needed."""
+"""fairseq_modattn/compat/: each fix does what its docstring says, and is applied only where needed."""
 
 import numpy as np
 import pytest
 import torch
 from fairseq.data import data_utils
 
-from fairseq_modattn import compat
+from fairseq_modattn.compat import distributed_resume, keep_last_batch, torchrun_without_cuda
 
 
 def batches(fn, n, max_sentences=64, mult=8, vec=True):
@@ -25,15 +25,15 @@ def test_every_index_is_batched_exactly_once(n, vec):
 
 
 def test_upstream_function_drops_the_longest_sentences():
-    """The behaviour compat.py corrects (fairseq issue #5036); skipped once fairseq fixes it."""
-    if not compat._drops_last_batch(compat._FAIRSEQ_BATCH_BY_SIZE):
+    """The behaviour fix 3 corrects (fairseq issue #5036); skipped once fairseq fixes it."""
+    if not keep_last_batch._drops_last_batch(keep_last_batch._FAIRSEQ_BATCH_BY_SIZE):
         pytest.skip("the installed fairseq keeps every batch")
-    assert data_utils.batch_by_size is compat.batch_by_size_keeping_all
-    kept = np.concatenate(batches(compat._FAIRSEQ_BATCH_BY_SIZE, 300)).size
+    assert data_utils.batch_by_size is keep_last_batch.batch_by_size_keeping_all
+    kept = np.concatenate(batches(keep_last_batch._FAIRSEQ_BATCH_BY_SIZE, 300)).size
     assert kept < 300
 
 
-# ------------------------------------------------------------------ 4. torchrun
+# ------------------------------------------------------------------ 6. torchrun
 TORCHRUN = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "3"}
 
 
@@ -53,7 +53,7 @@ def test_torchrun_device_id(torchrun_env, gpus, local_rank, expected):
     torchrun_env.setattr(torch.cuda, "device_count", lambda: gpus)
     if local_rank is not None:
         torchrun_env.setenv("LOCAL_RANK", local_rank)
-    assert compat.torchrun_device_id(3) == expected
+    assert torchrun_without_cuda.torchrun_device_id(3) == expected
 
 
 def test_torchrun_environment_sets_up_a_distributed_job_on_cpu(torchrun_env):
@@ -80,22 +80,22 @@ def test_without_torchrun_a_world_of_one_stays_single_process(torchrun_env):
 
 
 def test_upstream_torchrun_path_divides_by_the_gpu_count(torchrun_env):
-    """The behaviour fix 4 corrects; skipped once fairseq reads LOCAL_RANK itself."""
+    """The behaviour fix 6 corrects; skipped once fairseq reads LOCAL_RANK itself."""
     from fairseq.dataclass.configs import DistributedTrainingConfig
 
-    if not compat._divides_by_cuda_count(compat._FAIRSEQ_LAUNCH_INIT):
+    if not torchrun_without_cuda._divides_by_cuda_count(torchrun_without_cuda._FAIRSEQ_LAUNCH_INIT):
         pytest.skip("the installed fairseq does not divide by the CUDA device count")
     for key, value in TORCHRUN.items():
         torchrun_env.setenv(key, value)
     torchrun_env.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ZeroDivisionError):
-        compat._FAIRSEQ_LAUNCH_INIT(DistributedTrainingConfig(distributed_world_size=4))
+        torchrun_without_cuda._FAIRSEQ_LAUNCH_INIT(DistributedTrainingConfig(distributed_world_size=4))
 
 
-# ------------------------------------------------------------------ 5. resume on several ranks
+# ------------------------------------------------------------------ 7. resume on several ranks
 def test_fairseq_state_needs_the_full_unpickler():
     """What rank 0 broadcasts when resuming holds omegaconf configs, which torch's default
-    (weights_only) loader refuses; fix 5 is installed where fairseq uses that loader.
+    (weights_only) loader refuses; fix 7 is installed where fairseq uses that loader.
     tests/test_distributed.py resumes a real 2-rank run through it."""
     import io
 
@@ -106,15 +106,15 @@ def test_fairseq_state_needs_the_full_unpickler():
     torch.save({"cfg": OmegaConf.create({"lr": [0.1]})}, pickled)
     with pytest.raises(Exception, match="DictConfig"):
         torch.load(io.BytesIO(pickled.getvalue()))
-    if compat._unpickles_with_default_loader(compat._FAIRSEQ_BROADCAST_OBJECT_SLOW):
-        assert distributed_utils._broadcast_object_slow is compat.broadcast_pickled_object
+    if distributed_resume._unpickles_with_default_loader(distributed_resume._FAIRSEQ_BROADCAST_OBJECT_SLOW):
+        assert distributed_utils._broadcast_object_slow is distributed_resume.broadcast_pickled_object
 
 
-# ------------------------------------------------------------------ 6. destroy the process group
+# ------------------------------------------------------------------ 8. destroy the process group
 def test_a_rank_leaves_no_process_group_behind():
     """fairseq's distributed_main, as call_main runs it, on a one-rank gloo group: training
     (here a stand-in ``main``) runs inside the group, and the group is gone afterwards, so the
-    interpreter never tears gloo's threads down itself (the abort fix 6 prevents)."""
+    interpreter never tears gloo's threads down itself (the abort fix 8 prevents)."""
     import pickle
     import socket
 
@@ -145,3 +145,47 @@ def test_a_rank_leaves_no_process_group_behind():
             torch.distributed.destroy_process_group()
     # torch.multiprocessing.spawn (fairseq's path on GPUs) pickles the function by name
     assert pickle.loads(pickle.dumps(distributed_utils.distributed_main)) is distributed_utils.distributed_main
+
+
+# ------------------------------------------------------------------ the package of fixes
+def test_the_apply_order_names_every_fix_module_once_with_its_number():
+    """A fix module left out of compat.FIXES would never be applied; the number in each module's
+    docstring ("Fix N:") is its place in that order, the number messages and docs refer to."""
+    import importlib
+    import pkgutil
+
+    from fairseq_modattn import compat
+
+    modules = {m.name for m in pkgutil.iter_modules(compat.__path__) if not m.name.startswith("_")}
+    assert sorted(compat.FIXES) == sorted(modules) and len(set(compat.FIXES)) == len(compat.FIXES)
+    for number, name in enumerate(compat.FIXES, start=1):
+        fix = importlib.import_module(f"{compat.__name__}.{name}")
+        assert callable(fix.apply), name
+        assert fix.__doc__.startswith(f"Fix {number}: "), (name, fix.__doc__.splitlines()[0])
+
+
+def test_applying_the_fixes_again_installs_nothing_twice():
+    """``import fairseq_modattn`` applied them once; a second apply() leaves every patched name,
+    the excepthook, the log filter and torch's allow-list as they are (no wrapper of a wrapper)."""
+    import logging
+    import sys
+
+    from fairseq import checkpoint_utils, models
+    from fairseq.distributed import utils as distributed_utils
+
+    from fairseq_modattn import compat
+
+    def state():
+        patched = [(module, name) for module in (data_utils, checkpoint_utils, models, distributed_utils)
+                   for name in ("batch_by_size", "load_checkpoint_to_cpu", "PathManager", "torch_persistent_save",
+                                "verify_checkpoint_directory", "build_model", "distributed_main",
+                                "_broadcast_object_slow", "infer_init_method", "_infer_torch_distributed_launch_init")
+                   if hasattr(module, name)]
+        return ([getattr(module, name) for module, name in patched], sys.excepthook,
+                list(logging.getLogger("fairseq.tasks.text_to_speech").filters),
+                set(torch.serialization.get_safe_globals()), logging.getLogger().level,
+                list(logging.getLogger().handlers))
+
+    before = state()
+    compat.apply()
+    assert state() == before

@@ -22,7 +22,7 @@ diversity penalty, the annealed mask) is on.
 Also here: every rank hands fairseq's stats sync the same keys in the same order with the same
 value kinds, in training, on the dummy batch and in validation (``train_recording_sync.py``);
 a resumed distributed run reproduces the uninterrupted one; and ``torchrun --nnodes 2`` on
-loopback (compat.py fix 4) trains the same model as explicitly initialised ranks.
+loopback (compat fix 6) trains the same model as explicitly initialised ranks.
 """
 
 import json
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fairseq_modattn  # noqa: F401  (compat.py's allow-list for loading checkpoints)
+import fairseq_modattn  # noqa: F401  (compat's allow-list for loading checkpoints)
 from cli_checks import logged
 from conftest import cli_environment, fairseq_cli
 from inprocess import batches, build_trainer, train_args
@@ -88,8 +88,8 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def aborted_in_teardown(index, procs, output):
-    """Whether process INDEX, a rank other than 0, died of the gloo teardown abort of compat.py's
-    fix 6 after its work was done. fairseq ends every rank with a barrier, so rank 0 exiting 0
+    """Whether process INDEX, a rank other than 0, died of the gloo teardown abort of compat
+    fix 8 after its work was done. fairseq ends every rank with a barrier, so rank 0 exiting 0
     means this rank had reached that barrier too: its training, records and checkpoints are
     complete, and what the tests compare is there. The fix makes the abort rare (it destroys the
     process group first), not impossible: on 2026-11-26 it happened to rank 1 of one job in each of
@@ -100,7 +100,7 @@ def aborted_in_teardown(index, procs, output):
     if TEARDOWN_ABORT not in output[-300:]:
         return False
     warnings.warn(f"rank {index} aborted in the gloo teardown after fairseq's closing barrier "
-                  f"({TEARDOWN_ABORT!r}; compat.py fix 6); its work is complete")
+                  f"({TEARDOWN_ABORT!r}; compat fix 8); its work is complete")
     return True
 
 
@@ -196,7 +196,7 @@ def test_every_rank_syncs_the_same_keys(epoch_runs):
 @pytest.mark.parametrize("epoch_runs", ["dma"], indirect=True)  # the family with the most state
 def test_resumed_distributed_run_matches_the_uninterrupted_one(epoch_runs, multi30k_bin, tmp_path):
     """Stop 2 ranks after 4 updates and restart the same command: rank 0 reloads the checkpoint
-    and sends it to rank 1 (compat.py fix 5), and the epoch ends as the uninterrupted one did."""
+    and sends it to rank 1 (compat fix 7), and the epoch ends as the uninterrupted one did."""
     save = tmp_path / "ranks"
     gloo_ranks(multi30k_bin, save, [*epoch_runs["args"], "--max-update", "4"], record_dir=tmp_path)
     resumed = gloo_ranks(multi30k_bin, save, epoch_runs["args"], record_dir=tmp_path)
@@ -215,7 +215,7 @@ def test_resumed_distributed_run_matches_the_uninterrupted_one(epoch_runs, multi
 @pytest.mark.parametrize("epoch_runs", ["tim"], indirect=True)
 def test_torchrun_two_nodes_on_loopback(epoch_runs, multi30k_bin, tmp_path):
     """``torchrun --nnodes 2 --nproc-per-node 1`` on 127.0.0.1, without --distributed-world-size
-    (one-GPU nodes leave it at 1): both processes join one job (compat.py fix 4) and train the
+    (one-GPU nodes leave it at 1): both processes join one job (compat fix 6) and train the
     model the explicitly initialised ranks trained."""
     torchrun = Path(sys.executable).parent / "torchrun"
     port = free_port()

@@ -18,7 +18,7 @@ import pytest
 import sacrebleu
 import torch
 
-import fairseq_modattn  # noqa: F401  (compat.py, as --user-dir applies it)
+import fairseq_modattn  # noqa: F401  (compat, as --user-dir applies it)
 from conftest import MODATTN, PLUGIN, cli_environment, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.checkpoints import average_checkpoints
@@ -220,7 +220,7 @@ def test_score_command_runs_fairseq_score_with_sacrebleu_2(tmp_path):
     # the adjustment lasts for the command only
     from fairseq.scoring import bleu
 
-    from fairseq_modattn import compat
+    from fairseq_modattn.compat.fairseq_score import fairseq_score
 
-    assert compat.fairseq_score(["-s", str(tmp_path / "sys.txt"), "-r", str(tmp_path / "ref.txt"), "--sacrebleu"]) == 0
+    assert fairseq_score(["-s", str(tmp_path / "sys.txt"), "-r", str(tmp_path / "ref.txt"), "--sacrebleu"]) == 0
     assert sacrebleu.corpus_bleu.__module__.startswith("sacrebleu") and bleu.Scorer.__module__ == bleu.__name__

@@ -1,7 +1,7 @@
 """A full disk, through the real fairseq commands: never a damaged file, always one line.
 
 fairseq 0.12 copies its first checkpoint over ``checkpoint_last.pt`` / ``checkpoint_best.pt`` in
-place and leaves ``NAME.tmp`` behind when a write fails (compat.py, fix 13); torch's zip writer
+place and leaves ``NAME.tmp`` behind when a write fails (compat fix 13); torch's zip writer
 says "unexpected pos", not that the disk is full. Each test runs on two kinds of full disk:
 
 * ``tmpfs``: a real small tmpfs mounted for the test (skipped where mounting is not permitted);
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fairseq_modattn  # noqa: F401  (compat.py: the safe loader reads fairseq checkpoints)
+import fairseq_modattn  # noqa: F401  (compat: the safe loader reads fairseq checkpoints)
 from conftest import MODATTN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
 
 INJECTION = REPO / "tests" / "disk_full_injection"

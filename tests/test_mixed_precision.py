@@ -54,7 +54,7 @@ import pytest
 import torch
 from fairseq.logging import metrics
 
-import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat.py)
+import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat)
 from cli_checks import logged
 from conftest import fairseq_cli, run_cli
 from inprocess import FAMILIES, batches, build_trainer, train_args

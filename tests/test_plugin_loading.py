@@ -10,7 +10,7 @@
 * A relative ``--user-dir`` resolves against the working folder (fairseq's
   ``utils.import_user_module``): the FileNotFoundError README.md quotes, and its fix.
 * A checkpoint whose architecture nothing registers stops fairseq-generate and the package's
-  commands with one line (compat.py, fix 10) instead of fairseq's IndexError.
+  commands with one line (compat fix 11) instead of fairseq's IndexError.
 """
 
 import struct
@@ -23,7 +23,7 @@ import torch
 
 from cli_checks import logged
 from conftest import MODATTN, PLUGIN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
-from fairseq_modattn import compat
+from fairseq_modattn.compat.unknown_architecture import UnknownArchitectureError, build_model_naming_unknown_architecture
 
 #: what the criterion logs for a DMA model besides fairseq's loss, nll_loss and ppl (README.md)
 DMA_KEYS = {"ce_loss", "kl", "dqq", "dxq", "div", "gamma"}
@@ -97,7 +97,7 @@ def test_tensorboard_logdir_holds_every_term_the_criterion_logs(dma_run):
 # ----------------------------------------------------------------------------- --user-dir
 def test_plugin_checkpoint_without_user_dir(dma_run, multi30k_bin):
     """What fairseq prints (README.md, "Troubleshooting"): under torch >= 2.6 its safe loader
-    refuses the checkpoint's argparse.Namespace (the plugin's fix 2 is not loaded); under an
+    refuses the checkpoint's argparse.Namespace (the plugin's fix 4 is not loaded); under an
     older torch (simulated by torch's switch) model building fails with an IndexError."""
     save, _, _ = dma_run
     checkpoint = save / "checkpoint_last.pt"
@@ -130,7 +130,7 @@ def test_relative_user_dir_resolves_against_the_working_folder(dma_run, multi30k
     assert code == 0, out[-3000:]
 
 
-# ----------------------------------------------------------------------------- fix 10
+# ----------------------------------------------------------------------------- fix 11
 @pytest.fixture(scope="module")
 def foreign_checkpoint(dma_run):
     """The DMA checkpoint with its architecture renamed to one nothing registers, as a checkpoint
@@ -166,7 +166,7 @@ def test_build_model_names_the_unknown_architecture():
 
     from fairseq import models
 
-    assert models.build_model is compat.build_model_naming_unknown_architecture
-    with pytest.raises(compat.UnknownArchitectureError, match="unknown model architecture 'dma_transformer_iwslt'.*"
+    assert models.build_model is build_model_naming_unknown_architecture
+    with pytest.raises(UnknownArchitectureError, match="unknown model architecture 'dma_transformer_iwslt'.*"
                        "similar registered names: dma_transformer_iwslt_de_en"):
         models.build_model(argparse.Namespace(arch="dma_transformer_iwslt", _name="dma_transformer_iwslt"), None)

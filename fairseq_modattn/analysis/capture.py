@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..compat import fairseq_attention_per_head_path
+from ..compat.per_head_attention_weights import fairseq_attention_per_head_path
 # ATTENTION_TYPES: the names that callers of attention_modules (the demo) iterate over
 from ..models.attention_types import ATTENTION_TYPES, ATTRIBUTE_LABELS, layer_attribute, query_stack  # noqa: F401
 from . import AnalysisError

@@ -6,9 +6,10 @@ pip package, so this module provides the same selection rules (``checkpointEPOCH
 ``checkpoint_EPOCH_UPDATES.pt``, the last N, an optional upper bound) and the same arithmetic
 (element-wise mean of the model parameters), with three differences:
 
-* files are read with torch's safe loader (``weights_only=True``); ``fairseq_modattn.compat``
-  allow-lists what fairseq writes into checkpoints (``argparse.Namespace``, numeric numpy arrays),
-  anything else is refused; a damaged file is named with the intact checkpoints beside it;
+* files are read with torch's safe loader (``weights_only=True``);
+  ``fairseq_modattn.compat.checkpoint_globals`` allow-lists what fairseq writes into checkpoints
+  (``argparse.Namespace``, numeric numpy arrays), anything else is refused; a damaged file is
+  named with the intact checkpoints beside it;
 * parameters are summed in float64 and cast back, and integer buffers must agree across the
   checkpoints instead of being integer-divided;
 * the result is written to a temporary file and renamed, so a crash never leaves half a file, and
@@ -95,12 +96,13 @@ def find_checkpoints(
 def load_checkpoint_safely(path: PathLike) -> dict:
     """``torch.load(path, weights_only=True)`` on CPU, every failure turned into an AnalysisError.
 
-    ``fairseq_modattn.compat`` is imported first: it allow-lists what fairseq writes into its
-    checkpoints besides tensors, ``argparse.Namespace`` (legacy model args) and numeric numpy
-    arrays (the ``--eval-bleu`` metrics), fix 2. Files holding any other class, or numpy arrays
-    of objects, are refused, exactly as torch's safe loader refuses them.
+    ``fairseq_modattn`` is imported first, which applies ``compat``: it allow-lists what fairseq
+    writes into its checkpoints besides tensors, ``argparse.Namespace`` (legacy model args) and
+    numeric numpy arrays (the ``--eval-bleu`` metrics), fix 4. Files holding any other class, or
+    numpy arrays of objects, are refused, exactly as torch's safe loader refuses them.
     """
-    from fairseq_modattn import compat  # the allow-list, and the one-line load errors
+    # importing it imports fairseq_modattn, whose compat.apply() installs the allow-list
+    from fairseq_modattn.compat.damaged_checkpoints import describe_load_failure  # the one-line load errors
 
     path = Path(path)
     if not path.is_file():
@@ -109,7 +111,7 @@ def load_checkpoint_safely(path: PathLike) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         # one line: a damaged file and what to restore it from, a refused class, or the error
-        raise AnalysisError(compat.describe_load_failure(path, e)) from e
+        raise AnalysisError(describe_load_failure(path, e)) from e
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise AnalysisError(f"{path} is not a fairseq checkpoint: expected a dict with a 'model' state dict")
     return state

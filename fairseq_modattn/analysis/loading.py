@@ -2,10 +2,11 @@
 
 Works for this package's models and for plain fairseq checkpoints (``transformer``, ``lstm``,
 ...), so the analysis of a DMA model can be set against the user's own baseline. Loading goes
-through fairseq's ``checkpoint_utils`` with torch's safe loader (``compat.py``, fix 2); a damaged
-file or a refused class is one line of AnalysisError (fix 7). So is a data-bin whose dictionaries
-are not the checkpoint's (``fairseq_modattn/dictionaries.py``): this package's models refuse it
-themselves, and for other checkpoints the data-bin is compared with the one they recorded.
+through fairseq's ``checkpoint_utils`` with torch's safe loader (``compat/checkpoint_globals.py``,
+fix 4); a damaged file or a refused class is one line of AnalysisError (fix 9). So is a data-bin
+whose dictionaries are not the checkpoint's (``fairseq_modattn/dictionaries.py``): this package's
+models refuse it themselves, and for other checkpoints the data-bin is compared with the one they
+recorded.
 """
 
 import logging
@@ -23,9 +24,9 @@ logger = logging.getLogger(__name__)
 def load_model(path, data: Optional[str] = None, cpu: bool = True):
     """(model, task, cfg) of the checkpoint ``path``; ``data`` replaces the data-bin recorded in
     it (checkpoints remember the folder they were trained on, which may be elsewhere now)."""
-    import fairseq_modattn  # noqa: F401  (registers the models; the loading fixes of compat.py)
+    import fairseq_modattn  # noqa: F401  (registers the models; applies the loading fixes of compat/)
     from fairseq import checkpoint_utils
-    from fairseq_modattn import compat
+    from fairseq_modattn.compat.damaged_checkpoints import DamagedCheckpointError, describe_load_failure
     from fairseq_modattn.dictionaries import DictionaryMismatchError, check_recorded_data_bin
 
     path = Path(path)
@@ -48,10 +49,10 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides=overrides)
     except DictionaryMismatchError as e:
         raise AnalysisError(str(e)) from e
-    except (compat.DamagedCheckpointError, pickle.UnpicklingError) as e:
-        # one line: the damaged file and the intact checkpoints beside it (compat fix 7), or the
-        # class torch's safe loader refused (fix 2), instead of torch's paragraphs
-        raise AnalysisError(compat.describe_load_failure(path, e)) from e
+    except (DamagedCheckpointError, pickle.UnpicklingError) as e:
+        # one line: the damaged file and the intact checkpoints beside it (compat fix 9), or the
+        # class torch's safe loader refused (fix 4), instead of torch's paragraphs
+        raise AnalysisError(describe_load_failure(path, e)) from e
     except (RuntimeError, KeyError, OSError, EOFError) as e:
         raise AnalysisError(f"cannot load checkpoint {path}: {e}") from e
     model = models[0]

@@ -232,7 +232,8 @@ def _run_generate(command: List[str], output: Path, expected: int, log: Callable
         log_file = output.with_suffix(".log")
         said = last_error_line(stdout + log_file.read_text(encoding="utf-8", errors="replace"))
         one_line = re.match(r"fairseq-generate: error: (.+)$", said)
-        if one_line:  # compat.py's one-line errors (a damaged checkpoint, a data-bin of other dictionaries)
+        # compat's one-line errors (fix 14: a damaged checkpoint, a data-bin of other dictionaries)
+        if one_line:
             raise AnalysisError(f"fairseq-generate: {one_line.group(1)}")
         raise AnalysisError(f"fairseq-generate exited with status {code}{f': {said}' if said else ''} "
                             f"(its output: {output}, {log_file})")

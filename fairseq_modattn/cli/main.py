@@ -22,7 +22,7 @@
                                              # translation demo page + JSON API with attention views
     fairseq-modattn score -s SYS -r REF [--sacrebleu | --sentence-bleu]
                                              # fairseq-score (its flags and output), working with
-                                             # sacrebleu 2.x (fairseq_modattn/compat.py, fix 8)
+                                             # sacrebleu 2.x (fairseq_modattn/compat/fairseq_score.py, fix 10)
 
 Why ``flags`` exists: ``fairseq-train --arch ARCH -h`` prints its help during its first parsing
 pass, before it adds the model's arguments (fairseq 0.12 ``options.parse_args_and_arch``), so
@@ -145,15 +145,16 @@ COMMANDS = {
     "quickstart": lambda argv: __import__("fairseq_modattn.cli.quickstart", fromlist=["quickstart"]).quickstart(argv),
     "serve": lambda argv: __import__("fairseq_modattn.cli.serve", fromlist=["serve"]).serve(argv),
     # fairseq-score never imports a plugin (it has no --user-dir), so its fixes run from here
-    "score": lambda argv: __import__("fairseq_modattn.compat", fromlist=["fairseq_score"]).fairseq_score(argv),
+    "score": lambda argv: __import__("fairseq_modattn.compat.fairseq_score",
+                                     fromlist=["fairseq_score"]).fairseq_score(argv),
 }
 
 
 def configure_logging():
     """INFO-level logs on stderr in fairseq's format, replacing (``force``) whatever configuration
-    the root logger had. fairseq's import-time logging is dealt with in compat.py before fairseq is
-    imported, which this function runs too late to do: fix 9 drops the 'Please install
-    tensorboardX' notice and fix 11 undoes ``wav2vec2_classification.py``'s root logger at DEBUG."""
+    the root logger had. fairseq's import-time logging is dealt with in compat/ before fairseq is
+    imported, which this function runs too late to do: fix 1 drops the 'Please install
+    tensorboardX' notice and fix 2 undoes ``wav2vec2_classification.py``'s root logger at DEBUG."""
     import logging
 
     class CurrentStderr(logging.StreamHandler):

@@ -155,7 +155,7 @@ class Subcommand:
 COMMANDS: Dict[str, Subcommand] = {
     "flags": Subcommand(__name__, "flags", "the plugin's architectures; an architecture's model flags"),
     "prepare": Subcommand(__name__, "prepare", "raw corpus -> data-bin"),
-    "average": Subcommand("fairseq_modattn.cli.evaluate", "average", "fairseq's average_checkpoints.py"),
+    "average": Subcommand("fairseq_modattn.cli.average", "average", "fairseq's average_checkpoints.py"),
     "evaluate": Subcommand("fairseq_modattn.cli.evaluate", "evaluate", "average + fairseq-generate + BLEU JSON"),
     "redundancy": Subcommand("fairseq_modattn.cli.analyze", "redundancy", "attention redundancy LR / HR"),
     "plot": Subcommand("fairseq_modattn.cli.analyze", "plot", "the paper's figures of a checkpoint"),

@@ -139,8 +139,9 @@ def prepare(argv: List[str]) -> int:
 class Subcommand:
     """A ``fairseq-modattn`` subcommand: ``function(argv) -> exit status`` of ``module``.
 
-    The module is imported when the subcommand runs, not when this table is built: most of them
-    import fairseq and torch, which would make ``fairseq-modattn --help`` take seconds."""
+    The module is imported when the subcommand runs, not when this table is built, so
+    ``fairseq-modattn --help`` and each command load only the modules they use, not those of
+    every command (analysis/, demo/, the corpus recipes...)."""
 
     module: str
     function: str

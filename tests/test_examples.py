@@ -86,7 +86,7 @@ def check_modattn_command(path: Path, argv):
     """Parse a ``fairseq-modattn`` line with the subcommand's own parser (argparse exits on an
     unknown flag); nothing is run."""
     from fairseq_modattn import data
-    from fairseq_modattn.cli import ablate, analyze, evaluate, quickstart, serve
+    from fairseq_modattn.cli import ablate, analyze, average, evaluate, quickstart, serve
 
     command, rest = argv[0], argv[1:]
     own, extra = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
@@ -100,7 +100,7 @@ def check_modattn_command(path: Path, argv):
         evaluate.evaluate_parser().parse_args(own)
         options.parse_args_and_arch(options.get_generation_parser(), input_args=["data-bin/x", *extra])
     elif command == "average":
-        evaluate.average_parser().parse_args(own)
+        average.average_parser().parse_args(own)
     elif command == "redundancy":
         analyze.redundancy_parser().parse_args(own)
     elif command == "plot":

@@ -1,14 +1,13 @@
-"""``fairseq-modattn average`` and ``fairseq-modattn evaluate``: the paper's evaluation protocol.
+"""``fairseq-modattn evaluate``: the paper's evaluation protocol.
 
-``average`` is fairseq's ``scripts/average_checkpoints.py`` (not in the pip package) with the
-same flags. ``evaluate`` does what docs/design.md, "Evaluation definitions", asks for in one
-command: average the last N epoch checkpoints, run the real ``fairseq-generate`` (beam 5,
-``--remove-bpe``) on a split, check that every sentence of the split was translated (fairseq
-main silently drops batches: docs/design.md, "fairseq pitfalls"), and report fairseq's tokenized
-BLEU, detokenized sacreBLEU with its signature and, for WMT14, compound-split BLEU, in a JSON
-file, with the generation options fairseq-generate ran with (arguments after ``--`` included).
-sacreBLEU of a lower-cased system against true-case references is case-insensitive unless
-``--case-sensitive``.
+One command does what docs/design.md, "Evaluation definitions", asks for: average the last N
+epoch checkpoints (the mean ``fairseq-modattn average``, cli/average.py, writes), run the real
+``fairseq-generate`` (beam 5, ``--remove-bpe``) on a split, check that every sentence of the
+split was translated (fairseq main silently drops batches: docs/design.md, "fairseq
+pitfalls"), and report fairseq's tokenized BLEU, detokenized sacreBLEU with its signature and,
+for WMT14, compound-split BLEU, in a JSON file, with the generation options fairseq-generate ran
+with (arguments after ``--`` included). sacreBLEU of a lower-cased system against true-case
+references is case-insensitive unless ``--case-sensitive``.
 """
 
 import argparse
@@ -43,75 +42,9 @@ RESERVED_GENERATE_FLAGS = {
 }
 
 
-# ------------------------------------------------------------------ average
-def average_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fairseq-modattn average",
-        description="Average the parameters of fairseq checkpoints (fairseq's scripts/average_checkpoints.py).",
-    )
-    p.add_argument("--inputs", nargs="+", required=True, metavar="PATH",
-                   help="checkpoint files to average, or ONE directory together with "
-                        "--num-epoch-checkpoints / --num-update-checkpoints")
-    p.add_argument("--output", required=True, metavar="FILE",
-                   help="where to write the averaged checkpoint (written atomically; an existing "
-                        "directory is refused, never replaced)")
-    n = p.add_mutually_exclusive_group()
-    n.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
-                   help="average the last N checkpointEPOCH.pt files of the --inputs directory")
-    n.add_argument("--num-update-checkpoints", type=int, metavar="N",
-                   help="average the last N checkpoint_EPOCH_UPDATES.pt files of the --inputs directory")
-    p.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
-                   help="only consider checkpoints with epoch (or update, with --num-update-checkpoints) <= K")
-    return p
-
-
-def average(argv: List[str]) -> int:
-    """``fairseq-modattn average``: exit 0 on success, 1 on bad input, 2 on usage errors."""
-    parser = average_parser()
-    args = parser.parse_args(argv)
-    try:
-        _refuse_directory_output(args.output)  # before any work; a folder is never replaced
-        paths = _average_inputs(args)
-        print(f"averaging {len(paths)} checkpoint(s):")
-        for path in paths:
-            print(f"  {path}")
-        with exclusive_use(args.output, error=AnalysisError, what="--output"):
-            ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(paths), args.output)
-        print(f"wrote {args.output}")
-    except AnalysisError as e:
-        print(f"fairseq-modattn average: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk is one line naming the folder and the space needed
-        message = describe_disk_full(e, Path(args.output).parent)
-        if message is None:
-            raise
-        print(f"fairseq-modattn average: error: {message}; nothing was written to {args.output}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def _refuse_directory_output(path, flag: str = "--output"):
     """AnalysisError '--output X is a directory; give a file path' (checked before any work)."""
     check_output_file(path, flag, error=AnalysisError)
-
-
-def _average_inputs(args) -> List[Path]:
-    """The files ``average`` reads, by fairseq's rules: a directory and N, or explicit files."""
-    counted = args.num_epoch_checkpoints is not None or args.num_update_checkpoints is not None
-    if counted:
-        if len(args.inputs) != 1 or not Path(args.inputs[0]).is_dir():
-            raise AnalysisError("--num-epoch-checkpoints/--num-update-checkpoints need --inputs to be one "
-                                f"existing directory, got {' '.join(args.inputs)}")
-        return ckpt.find_checkpoints(args.inputs[0], args.num_epoch_checkpoints, args.num_update_checkpoints,
-                                     args.checkpoint_upper_bound)
-    if args.checkpoint_upper_bound is not None:
-        raise AnalysisError("--checkpoint-upper-bound needs --num-epoch-checkpoints or --num-update-checkpoints")
-    paths = [Path(p) for p in args.inputs]
-    for path in paths:
-        if path.is_dir():
-            raise AnalysisError(f"--inputs {path} is a directory: give --num-epoch-checkpoints or "
-                                "--num-update-checkpoints, or list checkpoint files")
-    return paths
 
 
 # ------------------------------------------------------------------ the data-bin split

@@ -31,8 +31,10 @@ argument group and fills in the defaults the named architecture sets.
 """
 
 import argparse
+import importlib
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 
 def plugin_architectures():
@@ -133,20 +135,37 @@ def prepare(argv: List[str]) -> int:
     return 0
 
 
-COMMANDS = {
-    "flags": flags,
-    "prepare": prepare,
-    # defined in cli/evaluate.py, imported when the command runs
-    "average": lambda argv: __import__("fairseq_modattn.cli.evaluate", fromlist=["average"]).average(argv),
-    "evaluate": lambda argv: __import__("fairseq_modattn.cli.evaluate", fromlist=["evaluate"]).evaluate(argv),
-    "redundancy": lambda argv: __import__("fairseq_modattn.cli.analyze", fromlist=["redundancy"]).redundancy(argv),
-    "plot": lambda argv: __import__("fairseq_modattn.cli.analyze", fromlist=["plot"]).plot(argv),
-    "ablate": lambda argv: __import__("fairseq_modattn.cli.ablate", fromlist=["ablate"]).ablate(argv),
-    "quickstart": lambda argv: __import__("fairseq_modattn.cli.quickstart", fromlist=["quickstart"]).quickstart(argv),
-    "serve": lambda argv: __import__("fairseq_modattn.cli.serve", fromlist=["serve"]).serve(argv),
+@dataclass(frozen=True)
+class Subcommand:
+    """A ``fairseq-modattn`` subcommand: ``function(argv) -> exit status`` of ``module``.
+
+    The module is imported when the subcommand runs, not when this table is built, so
+    ``fairseq-modattn --help`` and each command load only the modules they use, not those of
+    every command (analysis/, demo/, the corpus recipes...)."""
+
+    module: str
+    function: str
+    help: str  # one line, listed when the command name is unknown
+
+    def __call__(self, argv: List[str]) -> int:
+        return getattr(importlib.import_module(self.module), self.function)(argv)
+
+
+# flags and prepare are defined above. ``__name__`` is this module's name also when it runs as
+# ``python -m fairseq_modattn.cli.main`` ("__main__"), so it is not imported a second time.
+COMMANDS: Dict[str, Subcommand] = {
+    "flags": Subcommand(__name__, "flags", "the plugin's architectures; an architecture's model flags"),
+    "prepare": Subcommand(__name__, "prepare", "raw corpus -> data-bin"),
+    "average": Subcommand("fairseq_modattn.cli.average", "average", "fairseq's average_checkpoints.py"),
+    "evaluate": Subcommand("fairseq_modattn.cli.evaluate", "evaluate", "average + fairseq-generate + BLEU JSON"),
+    "redundancy": Subcommand("fairseq_modattn.cli.analyze", "redundancy", "attention redundancy LR / HR"),
+    "plot": Subcommand("fairseq_modattn.cli.analyze", "plot", "the paper's figures of a checkpoint"),
+    "ablate": Subcommand("fairseq_modattn.cli.ablate", "ablate", "DMA cluster-count ablation"),
+    "quickstart": Subcommand("fairseq_modattn.cli.quickstart", "quickstart", "Multi30k: prepare, train, compare"),
+    "serve": Subcommand("fairseq_modattn.cli.serve", "serve", "translation demo page + JSON API"),
     # fairseq-score never imports a plugin (it has no --user-dir), so its fixes run from here
-    "score": lambda argv: __import__("fairseq_modattn.compat.fairseq_score",
-                                     fromlist=["fairseq_score"]).fairseq_score(argv),
+    "score": Subcommand("fairseq_modattn.compat.fairseq_score", "fairseq_score",
+                        "fairseq-score, working with sacrebleu 2.x"),
 }
 
 
@@ -179,7 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nunknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+            listing = "\n".join(f"  {name:<11} {command.help}" for name, command in COMMANDS.items())
+            print(f"\nunknown command {argv[0]!r}; commands:\n{listing}", file=sys.stderr)
             return 2
         return 0
     return COMMANDS[argv[0]](argv[1:])

@@ -16,7 +16,8 @@ and is built from the shared modules of this package, each one concept:
     downloads.py  raw files: found in --raw-dir and checked, or downloaded, or listed as missing
     steps.py      resumable steps: atomic outputs, then a marker of what they were made from
     moses.py      Moses punctuation normalisation, tokenisation, lower-casing, corpus cleaning
-    subwords.py   subword-nmt and sentencepiece models, and the recipes' subword steps
+    subword_model.py  a subword model by name: its data-bin file, loading and applying it
+    subwords.py   learning subword-nmt and sentencepiece models, and the recipes' subword steps
     binarize.py   fairseq-preprocess, run safely, and the recipes' "binarize" step
     manifest.py   the data-bin's prepare-manifest.json, and the checks of prepare's paths
     summary.py    what a recipe reports, and the common tail of the recipes

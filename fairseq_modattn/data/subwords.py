@@ -7,7 +7,7 @@
     subword_steps                              learn on train, apply to every split: two steps
                                                over a folder of ``{split}.{lang}`` text files
 
-Applying goes through ``text_settings.SubwordModel``, the same code the demo runs on a sentence.
+Applying goes through ``subword_model.SubwordModel``, the same code the demo runs on a sentence.
 """
 
 import os
@@ -19,6 +19,7 @@ from ..atomic_files import PathLike, _write_lines_now, atomic_path
 from .errors import DataError
 from .readers import read_lines
 from .steps import Steps
+from .subword_model import SUBWORD_METHODS, SubwordModel, require_sentencepiece, subword_model_name
 
 
 def learn_bpe(texts: Sequence[Sequence[str]], codes_path: PathLike, merges: int, min_frequency: int = 2):
@@ -34,25 +35,14 @@ def learn_bpe(texts: Sequence[Sequence[str]], codes_path: PathLike, merges: int,
 
 def apply_bpe(lines: Iterable[str], codes_path: PathLike) -> List[str]:
     """subword-nmt ``apply_bpe.py -c CODES`` (``@@ `` continuation marks)."""
-    from .text_settings import SubwordModel
-
     return SubwordModel("subword-nmt", codes_path).apply_lines(lines)
-
-
-def _require_sentencepiece():
-    try:
-        import sentencepiece  # noqa: F401
-    except ImportError:
-        raise DataError("the sentencepiece option needs the `sentencepiece` package: "
-                        "pip install sentencepiece") from None
-    return sentencepiece
 
 
 def train_sentencepiece(texts: Sequence[Sequence[str]], model_prefix: PathLike, vocab_size: int,
                         model_type: str = "bpe", character_coverage: float = 1.0):
     """Train a SentencePiece model on TEXTS; writes MODEL_PREFIX.model and .vocab atomically
     (single-threaded and unshuffled, so reruns give identical models)."""
-    spm = _require_sentencepiece()
+    spm = require_sentencepiece()
     prefix = Path(model_prefix)
     # named .PREFIX.tmp-..., so a rerun's stale-temporary cleanup removes it after a kill
     with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=f".{prefix.name.lstrip('.')}.tmp-") as tmpdir:
@@ -69,15 +59,10 @@ def train_sentencepiece(texts: Sequence[Sequence[str]], model_prefix: PathLike, 
 
 def apply_sentencepiece(lines: Sequence[str], model_path: PathLike) -> List[str]:
     """Encode LINES into space-separated SentencePiece pieces."""
-    from .text_settings import SubwordModel
-
     return SubwordModel("sentencepiece", model_path).apply_lines(lines)
 
 
 # ------------------------------------------------------------------ resumable steps of the recipes
-
-SUBWORD_METHODS = ("subword-nmt", "sentencepiece")
-
 
 def add_subword_args(parser, *, joint_size: int, src_size: int, tgt_size: int, vocab: str = "joint",
                      method: str = "subword-nmt"):
@@ -120,8 +105,6 @@ def subword_steps(steps: Steps, text_dir: PathLike, out_dir: PathLike, splits: S
         groups = {src: ([src], src_size), tgt: ([tgt], tgt_size)}
 
     def model_file(group):
-        from .text_settings import subword_model_name
-
         return out_dir / subword_model_name(method, group if group != "joint" else None)
 
     models = [model_file(g) for g in groups]

@@ -13,12 +13,13 @@ One ``TextSettings`` per language and split kind says which steps a recipe runs,
                          ``subword_model`` (a file name inside the data-bin)
 
 ``tokenize_lines(lines, settings)`` runs the steps before the subword model and
-``SubwordModel(method, path).apply(line)`` the subword model; ``process_sentence`` is both, for
-one sentence. The recipes (``multi30k.py``, ``iwslt14.py``, ``wmt14.py``, ``wmt17.py``) make
-their text with these functions, and ``binarize_step`` records the settings of the test split of
-each language (what the model is evaluated on: new text, never cleaned) in the data-bin's
-``prepare-manifest.json`` under ``"text"``. The demo (``fairseq_modattn/demo/text.py``) reads
-them back (``recorded_settings``) and calls the same functions, so the two cannot drift.
+``SubwordModel(method, path).apply(line)`` (``subword_model.py``) the subword model;
+``process_sentence`` is both, for one sentence. The recipes (``multi30k.py``, ``iwslt14.py``,
+``wmt14.py``, ``wmt17.py``) make their text with these functions, and ``binarize_step`` records
+the settings of the test split of each language (what the model is evaluated on: new text,
+never cleaned) in the data-bin's ``prepare-manifest.json`` under ``"text"``. The demo
+(``fairseq_modattn/demo/text.py``) reads them back (``recorded_settings``) and calls the same
+functions, so the two cannot drift.
 """
 
 import functools
@@ -30,24 +31,9 @@ from ..atomic_files import PathLike
 from . import moses
 from .errors import DataError
 from .manifest import MANIFEST, read_manifest
-from .subwords import _require_sentencepiece
+from .subword_model import NO_SUBWORD, SubwordModel, check_subword_method, subword_method, subword_model_name
 
 TOKENIZERS = ("moses", "jieba", "none")
-SUBWORDS = ("subword-nmt", "sentencepiece", "none")
-#: earlier spellings accepted on input
-SUBWORD_ALIASES = {"subword_nmt": "subword-nmt", "bpe": "subword-nmt", "spm": "sentencepiece"}
-
-
-def subword_method(name: str) -> str:
-    """NAME in the recipes' spelling (``subword_nmt`` -> ``subword-nmt``)."""
-    return SUBWORD_ALIASES.get(name, name)
-
-
-def subword_model_name(method: str, lang: Optional[str] = None) -> str:
-    """The file name of a subword model in a data-bin: joint (LANG None) or per language."""
-    if subword_method(method) == "sentencepiece":
-        return f"spm.{lang}.model" if lang else "spm.model"
-    return f"code.{lang}" if lang else "code"
 
 
 @dataclass(frozen=True)
@@ -62,20 +48,19 @@ class TextSettings:
     escape: bool = True
     aggressive_dash_splits: bool = False
     lowercase: bool = False
-    subword: str = "none"
+    subword: str = NO_SUBWORD
     subword_model: Optional[str] = None
 
     def __post_init__(self):
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}")
         object.__setattr__(self, "subword", subword_method(self.subword))
-        if self.subword not in SUBWORDS:
-            raise ValueError(f"subword must be one of {', '.join(SUBWORDS)}, got {self.subword!r}")
+        check_subword_method(self.subword, "subword")
 
     def with_subword(self, method: str, joint: bool) -> "TextSettings":
         """These settings followed by METHOD's model (joint, or this language's own)."""
         method = subword_method(method)
-        model = None if method == "none" else subword_model_name(method, None if joint else self.lang)
+        model = None if method == NO_SUBWORD else subword_model_name(method, None if joint else self.lang)
         return replace(self, subword=method, subword_model=model)
 
     def to_dict(self) -> dict:
@@ -159,43 +144,6 @@ def tokenize_lines(lines: Sequence[str], settings: TextSettings, workers: int = 
     return moses.tokenize(lines, settings.lang, normalize=settings.normalize, tokenize=settings.tokenizer == "moses",
                           lower=settings.lowercase, escape=settings.escape,
                           aggressive_dash_splits=settings.aggressive_dash_splits, workers=workers)
-
-
-class SubwordModel:
-    """A loaded subword model: ``apply(line)`` -> the line in space-separated subwords."""
-
-    def __init__(self, method: str, path: Optional[PathLike]):
-        self.method = subword_method(method)
-        self.path = Path(path) if path is not None else None
-        if self.method == "subword-nmt":
-            from subword_nmt.apply_bpe import BPE
-
-            with open(self.path, encoding="utf-8") as f:
-                self._bpe = BPE(f)
-        elif self.method == "sentencepiece":
-            spm = _require_sentencepiece()
-            self._spm = spm.SentencePieceProcessor(model_file=str(self.path))
-        elif self.method != "none":
-            raise ValueError(f"unknown subword method {method!r}; choose from {', '.join(SUBWORDS)}")
-
-    def apply(self, line: str) -> str:
-        if self.method == "subword-nmt":
-            return self._bpe.process_line(line)
-        if self.method == "sentencepiece":
-            return " ".join(self._spm.encode(line, out_type=str))
-        return line
-
-    def decode(self, pieces: Sequence[str]) -> str:
-        """Subword strings -> text (the subword marks removed)."""
-        if self.method == "sentencepiece":
-            return self._spm.decode(list(pieces))
-        text = " ".join(pieces)
-        return (text + " ").replace("@@ ", "").rstrip() if self.method == "subword-nmt" else text
-
-    def apply_lines(self, lines) -> List[str]:
-        if self.method == "sentencepiece":
-            return [" ".join(p) for p in self._spm.encode(list(lines), out_type=str)]
-        return [self.apply(s) for s in lines]
 
 
 def process_sentence(text: str, settings: TextSettings, subword: SubwordModel) -> List[str]:

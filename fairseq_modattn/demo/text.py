@@ -31,23 +31,24 @@ from typing import List, Optional, Tuple
 
 from ..data import text_settings as T
 from ..data.manifest import MANIFEST
+from ..data.subword_model import NO_SUBWORD, SUBWORD_METHODS, SubwordModel, subword_method, subword_model_name
 from . import DemoError
 
 TOKENIZERS = ("auto",) + T.TOKENIZERS
-SUBWORDS = ("auto",) + T.SUBWORDS
+SUBWORDS = ("auto", *SUBWORD_METHODS, NO_SUBWORD)
 LOWERCASE = ("auto", "yes", "no")
 
 
 def subword_choice(name: str) -> str:
     """A --bpe value in the pipeline's spelling: ``subword_nmt`` (the demo's earlier spelling)
     is ``subword-nmt``."""
-    return T.subword_method(name)
+    return subword_method(name)
 
 
 def find_subword_model(data: Path, source_lang: str) -> Tuple[str, Optional[Path]]:
     """(kind, path) of the subword model a data recipe copied into the data-bin ``data``."""
-    for kind in ("subword-nmt", "sentencepiece"):
-        for name in (T.subword_model_name(kind, source_lang), T.subword_model_name(kind)):
+    for kind in SUBWORD_METHODS:
+        for name in (subword_model_name(kind, source_lang), subword_model_name(kind)):
             if (data / name).is_file():
                 return kind, data / name
     raise DemoError(
@@ -108,7 +109,7 @@ class TextPipeline:
         if settings is None:
             if tokenizer not in T.TOKENIZERS:
                 raise DemoError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
-            if subword not in T.SUBWORDS:
+            if subword == "auto" or subword not in SUBWORDS:
                 raise DemoError(f"--bpe must be one of {', '.join(SUBWORDS)}, got {subword!r}")
             # the demo's steps before data-bins recorded theirs (jieba: as the WMT17 recipe)
             settings = T.TextSettings(source_lang, tokenizer=tokenizer, remove_non_printing=tokenizer == "jieba",
@@ -116,14 +117,14 @@ class TextPipeline:
                                       subword_model=Path(subword_model).name if subword_model else None)
         self.recorded = recorded  # SETTINGS are a data-bin's record: run them on the text as typed
         self.origin = origin or ("given" if recorded else "guessed")
-        if settings.subword != "none" and (subword_model is None or not Path(subword_model).is_file()):
+        if settings.subword != NO_SUBWORD and (subword_model is None or not Path(subword_model).is_file()):
             raise DemoError(f"subword model {subword_model} does not exist (--bpe-codes)")
         self.src_dict, self.tgt_dict = src_dict, tgt_dict
         self.source_lang, self.target_lang = source_lang, target_lang
         self.settings = settings
         self.tokenizer, self.lowercase, self.subword = settings.tokenizer, settings.lowercase, settings.subword
-        self.subword_model = Path(subword_model) if settings.subword != "none" else None
-        self._subword = T.SubwordModel(settings.subword, self.subword_model)
+        self.subword_model = Path(subword_model) if settings.subword != NO_SUBWORD else None
+        self._subword = SubwordModel(settings.subword, self.subword_model)
         # without a record of the target side: Moses-tokenised whenever the source is tokenised
         if target_tokenizer is None:
             target_tokenizer = "moses" if settings.tokenizer != "none" else "none"
@@ -165,7 +166,7 @@ class TextPipeline:
             overridden.append(f"--lowercase {lowercase}")
         model = None
         if bpe == "auto" or (bpe == settings.subword and bpe_codes is None):
-            if settings.subword != "none":
+            if settings.subword != NO_SUBWORD:
                 model = data / settings.subword_model
                 if not model.is_file():
                     raise DemoError(f"{data / MANIFEST} names the subword model {settings.subword_model}, "

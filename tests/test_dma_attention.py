@@ -416,7 +416,7 @@ def test_embed_dim_not_divisible_by_heads():
 
 
 def test_too_few_clusters():
-    with pytest.raises(ValueError, match="--dma-clusters"):
+    with pytest.raises(ValueError, match="num_clusters must be >= 1"):
         DisentangledMaskAttention(16, 2, self_attention=True, num_clusters=0)
     with pytest.raises(ValueError, match="--dma-clusters"):
         build_model("--dma-clusters", "0")

@@ -375,3 +375,10 @@ def test_checkpoint_of_another_architecture_is_refused():
 def test_beam_search_shares_encoder_keys_among_beams_exactly():
     model, dictionary = build_model("--th-attention", "enc_self,dec_self,enc_dec", "--th-value-heads", "2")
     check_beam_shared_keys_are_exact(model, dictionary)
+
+
+def test_module_errors_name_its_parameters():
+    with pytest.raises(ValueError, match=r"key_heads \(5\) must divide embed_dim \(24\)"):
+        TalkingHeadsAttention(24, 4, key_heads=5, self_attention=True)
+    with pytest.raises(ValueError, match=r"\(project_logits=False\) the key heads \(key_heads 2\)"):
+        TalkingHeadsAttention(24, 4, key_heads=2, project_logits=False, self_attention=True)

@@ -106,13 +106,11 @@ def naive_position_attention(attn, x, n, keys=None, key_padding=None, causal=Fal
 
 
 def naive_inter_mechanism_attention(ima, h, n, d):
-    """Step 3 without residual and norm: Q = GroupLinear(h, W^Q_3, n_s) etc. (per-mechanism: mechanism
-    j's own block of each weight; shared: one map for all), H_c heads of d_K units, softmax over the
-    key mechanisms at every position, then mechanism i's output projection."""
+    """Step 3 without residual and norm: Q = GroupLinear(h, W^Q_3, n_s) etc. (mechanism j's own
+    block of each weight), H_c heads of d_K units, softmax over the key mechanisms at every
+    position, then mechanism i's output projection."""
     hc, dc = ima.num_heads, ima.head_dim
-
-    def proj(lin, inp, j):
-        return group_linear(lin, inp, j) if ima.projection == "per-mechanism" else lin(inp)
+    proj = group_linear
 
     keys = [proj(ima.k_proj, part(h, j, d), j) for j in range(n)]
     values = [proj(ima.v_proj, part(h, j, d), j) for j in range(n)]
@@ -165,13 +163,11 @@ def naive_tim_decoder(layer, x, enc, enc_padding, target_padding):
 @pytest.mark.parametrize("competition", [True, False])
 @pytest.mark.parametrize("mechanism_attention", [True, False])
 @pytest.mark.parametrize("mechanisms, mech_heads", [(2, 2), (4, 1)])
-@pytest.mark.parametrize("projection, head_dim", [("per-mechanism", 32), ("per-mechanism", 3), ("shared", None)])
-def test_encoder_layer_equals_naive_algorithm_1(competition, mechanism_attention, mechanisms, mech_heads,
-                                                projection, head_dim):
+@pytest.mark.parametrize("head_dim", [32, 3, None])
+def test_encoder_layer_equals_naive_algorithm_1(competition, mechanism_attention, mechanisms, mech_heads, head_dim):
     layer = randomise(TIMEncoderLayer(make_cfg(), num_mechanisms=mechanisms, mechanism_attention_heads=mech_heads,
                                       competition=competition, mechanism_attention=mechanism_attention,
-                                      ffn_embed_dim=24, mechanism_attention_head_dim=head_dim,
-                                      mechanism_attention_projection=projection))
+                                      ffn_embed_dim=24, mechanism_attention_head_dim=head_dim))
     x, padding = padded_batch()
     with torch.no_grad():
         out = layer(x, padding)
@@ -180,11 +176,9 @@ def test_encoder_layer_equals_naive_algorithm_1(competition, mechanism_attention
 
 
 @pytest.mark.parametrize("competition, mechanism_attention", [(True, True), (False, False)])
-@pytest.mark.parametrize("projection", ["per-mechanism", "shared"])
-def test_decoder_layer_equals_naive_reference(competition, mechanism_attention, projection):
+def test_decoder_layer_equals_naive_reference(competition, mechanism_attention):
     layer = randomise(TIMDecoderLayer(make_cfg(), num_mechanisms=2, competition=competition,
-                                      mechanism_attention=mechanism_attention,
-                                      mechanism_attention_projection=projection))
+                                      mechanism_attention=mechanism_attention))
     y, target_padding = padded_batch(length=5, seed=2)
     enc, source_padding = padded_batch(length=7, seed=3)
     causal = torch.triu(utils.fill_with_neg_inf(torch.zeros(5, 5)), 1)
@@ -254,8 +248,8 @@ def test_one_mechanism_decoder_layer_is_fairseq_decoder_layer(normalize_before):
 
 
 # ----------------------------------------------------------------------------- step 3 per mechanism
-def make_inter(n=3, d=8, heads=2, head_dim=5, projection="per-mechanism", seed=0):
-    ima = InterMechanismAttention(d, heads, num_mechanisms=n, head_dim=head_dim, projection=projection)
+def make_inter(n=3, d=8, heads=2, head_dim=5, seed=0):
+    ima = InterMechanismAttention(d, heads, num_mechanisms=n, head_dim=head_dim)
     return randomise(ima, seed=seed)
 
 
@@ -304,12 +298,6 @@ def test_changing_mechanism_1s_query_weights_changes_only_mechanism_1s_query():
         changed.q_proj.weight[1].mul_(2.0)
         q2 = torch.baddbmm(changed.q_proj.bias.unsqueeze(1), x.reshape(-1, n, d).transpose(0, 1), changed.q_proj.weight)
         assert torch.equal(q[0], q2[0]) and not torch.equal(q[1], q2[1])
-    # the shared form has no per-mechanism weights: its query change reaches every mechanism
-    shared = make_inter(n, d, projection="shared")
-    with torch.no_grad():
-        base = shared(x)
-        shared.q_proj.weight.add_(torch.randn_like(shared.q_proj.weight))
-        assert not torch.allclose(part(shared(x), 0, d), part(base, 0, d), atol=1e-3)
 
 
 @pytest.mark.parametrize("n, heads, head_dim", [(2, 2, 32), (3, 2, 5), (4, 3, 4), (2, 1, 8)])
@@ -334,39 +322,8 @@ def test_whole_encoder_layer_equals_naive_algorithm_1_in_double(competition, mec
         torch.testing.assert_close(layer(x, padding), naive_tim_encoder(layer, x, padding), rtol=1e-11, atol=1e-11)
 
 
-def old_shared_inter_mechanism_attention(ima, x):
-    """The forward of InterMechanismAttention before 2026-11-25 (one nn.Linear(d_m, d_m) each for
-    q, k, v, out, shared by all mechanisms; d_m / H_c units per head), kept verbatim in substance."""
-    lead, width = x.shape[:-1], x.size(-1)
-    n = width // ima.mechanism_dim
-    hd = ima.mechanism_dim // ima.num_heads
-    tokens = x.reshape(-1, n, ima.mechanism_dim)
-    weight = torch.cat([ima.q_proj.weight, ima.k_proj.weight, ima.v_proj.weight])
-    bias = torch.cat([ima.q_proj.bias, ima.k_proj.bias, ima.v_proj.bias])
-    qkv = F.linear(tokens, weight, bias).view(-1, n, 3, ima.num_heads, hd)
-    q, k, v = qkv.unbind(2)
-    scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) * hd ** -0.5
-    weights = torch.softmax(scores, dim=2)
-    out = (weights.unsqueeze(-1) * v.unsqueeze(1)).sum(2)
-    return ima.out_proj(out.reshape(-1, n, ima.mechanism_dim)).reshape(*lead, width)
-
-
-def test_shared_form_is_the_earlier_layer():
-    n, d = 2, 8
-    ima = make_inter(n, d, heads=2, head_dim=None, projection="shared")
-    assert {name: tuple(p.shape) for name, p in ima.named_parameters()} == {
-        "q_proj.weight": (d, d), "q_proj.bias": (d,), "k_proj.weight": (d, d), "k_proj.bias": (d,),
-        "v_proj.weight": (d, d), "v_proj.bias": (d,), "out_proj.weight": (d, d), "out_proj.bias": (d,)}
-    torch.manual_seed(4)
-    x = torch.randn(5, 3, n * d)
-    with torch.no_grad():
-        torch.testing.assert_close(ima(x), old_shared_inter_mechanism_attention(ima, x), rtol=1e-6, atol=1e-6)
-
-
 def test_inter_mechanism_attention_configuration_errors():
-    with pytest.raises(ValueError, match="--tim-mechanism-attention-projection"):
-        InterMechanismAttention(8, 2, num_mechanisms=2, projection="dense")
-    with pytest.raises(ValueError, match="--tim-mechanism-attention-heads"):
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must divide the mechanism width d_m = mechanism_dim"):
         InterMechanismAttention(8, 3, num_mechanisms=2, head_dim=None)
     InterMechanismAttention(8, 3, num_mechanisms=2, head_dim=32)  # d_K need not divide d_m
 
@@ -633,21 +590,17 @@ def test_matched_presets_have_the_transformers_parameter_count(arch, baseline, t
 
 @pytest.mark.parametrize("competition", [True, False])
 @pytest.mark.parametrize("mechanism_attention", [True, False])
-@pytest.mark.parametrize("projection, head_dim", [("per-mechanism", 32), ("per-mechanism", 3), ("shared", 0),
-                                                  ("shared", 5)])
-def test_parameter_formulas_match_built_layers(competition, mechanism_attention, projection, head_dim):
+@pytest.mark.parametrize("head_dim", [32, 3, 0])
+def test_parameter_formulas_match_built_layers(competition, mechanism_attention, head_dim):
     flags = (["--tim-no-competition"] if not competition else []) + (
         ["--tim-no-mechanism-attention"] if not mechanism_attention else [])
     model, _ = build("--tim-encoder-layers", "all", "--tim-decoder-layers", "all", "--tim-mechanisms", "4",
                      "--tim-mechanism-attention-heads", "2", "--tim-ffn-embed-dim", "48",
-                     "--tim-mechanism-attention-projection", projection,
                      "--tim-mechanism-attention-head-dim", str(head_dim),
                      "--decoder-embed-dim", "32", "--decoder-attention-heads", "8", *flags)
-    inter = dict(mechanism_attention_heads=2, mechanism_attention_head_dim=head_dim,
-                 mechanism_attention_projection=projection)
+    inter = dict(mechanism_attention_heads=2, mechanism_attention_head_dim=head_dim)
     enc, dec = model.encoder.layers[0], model.decoder.layers[0]
     if mechanism_attention:
-        assert enc.mechanism_attn.projection == projection
         assert enc.mechanism_attn.head_dim == (head_dim or 16 // 4 // 2)
     assert count(enc) == tim_layer_params(16, 48, 4, competition, mechanism_attention, **inter)
     assert count(dec) == tim_layer_params(32, 48, 4, competition, mechanism_attention, decoder=True, encoder_dim=16,
@@ -662,7 +615,6 @@ def test_parameter_formulas_match_built_layers(competition, mechanism_attention,
     assert ffn == best
     # and --tim-match-params builds that width with these inter-mechanism settings
     matched, _ = build("--tim-encoder-layers", "all", "--tim-mechanisms", "4", "--tim-mechanism-attention-heads", "2",
-                       "--tim-mechanism-attention-projection", projection,
                        "--tim-mechanism-attention-head-dim", str(head_dim), "--tim-match-params", *flags)
     assert matched.encoder.layers[0].ffn_embed_dim == ffn
 
@@ -673,7 +625,7 @@ def test_architecture_defaults_and_overrides():
     assert (args.tim_mechanisms, args.tim_encoder_layers, args.tim_decoder_layers) == (2, "auto", "none")
     assert (args.tim_mechanism_attention_heads, args.tim_no_competition, args.tim_no_mechanism_attention) == (
         2, False, False)
-    assert (args.tim_mechanism_attention_head_dim, args.tim_mechanism_attention_projection) == (32, "per-mechanism")
+    assert args.tim_mechanism_attention_head_dim == 32
     assert args.tim_ffn_embed_dim is None and args.tim_match_params is False
     assert (args.encoder_embed_dim, args.encoder_ffn_embed_dim, args.encoder_attention_heads) == (512, 1024, 4)
     assert parse("tim_transformer_wmt_en_de_matched").tim_match_params is True
@@ -685,7 +637,7 @@ def test_every_tim_flag_has_help_text():
     parser = argparse.ArgumentParser()
     TIMTransformerModel.add_args(parser)
     flags = [a for a in parser._actions if any(s.startswith("--tim-") for s in a.option_strings)]
-    assert len(flags) == 10
+    assert len(flags) == 9
     assert all(a.help for a in flags)
     assert all(a.default in (None, False) for a in flags)  # defaults come from the architectures
 
@@ -715,54 +667,3 @@ def test_beam_search_shares_encoder_keys_among_beams_exactly():
     model, vocab = build("--tim-decoder-layers", "auto", "--decoder-layers", "4")
     check_beam_shared_keys_are_exact(model, vocab)
 
-
-# ----------------------------------------------------------------------------- old checkpoints
-def old_checkpoint_args(arch, *extra):
-    """Args as saved before 2026-11-25: the architecture function had set every TIM arg then, and
-    the two inter-mechanism flags did not exist (we build with them, then delete them)."""
-    args = parse(arch, *TINY, "--tim-mechanism-attention-projection", "shared",
-                 "--tim-mechanism-attention-head-dim", "0", *extra)
-    del args.tim_mechanism_attention_projection, args.tim_mechanism_attention_head_dim
-    return args
-
-
-@pytest.mark.parametrize("arch, extra", [
-    ("tim_transformer", ("--tim-decoder-layers", "1")),
-    ("tim_transformer_iwslt_de_en_matched", ()),  # the matched FFN width depends on the form
-])
-def test_checkpoint_saved_before_per_mechanism_attention_loads(tmp_path, arch, extra):
-    from fairseq import checkpoint_utils
-
-    vocab = fixed_dictionary(20)
-    task = TranslationTask(TranslationConfig(), vocab, vocab)
-    args = old_checkpoint_args(arch, *extra)
-    torch.manual_seed(0)
-    old = task.build_model(old_checkpoint_args(arch, *extra)).eval()
-    layer = old.encoder.layers[2]
-    assert layer.mechanism_attn.projection == "shared" and layer.mechanism_attn.q_proj.weight.shape == (8, 8)
-    path = tmp_path / "checkpoint_old.pt"
-    checkpoint_utils.torch_persistent_save(
-        {"args": args, "model": old.state_dict(), "extra_state": {},
-         "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "adam",
-                                "lr_scheduler_state": {}, "num_updates": 0}]}, str(path))
-    (loaded,), _ = checkpoint_utils.load_model_ensemble([str(path)], task=task)
-    loaded.eval()
-    assert loaded.encoder.layers[2].mechanism_attn.projection == "shared"
-    assert loaded.encoder.layers[2].ffn_embed_dim == layer.ffn_embed_dim
-    torch.manual_seed(1)
-    src = torch.randint(4, len(vocab), (2, 5))
-    prev = torch.randint(4, len(vocab), (2, 4))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(src, torch.tensor([5, 5]), prev)[0], old(src, torch.tensor([5, 5]), prev)[0])
-    # a new command line (per-mechanism by default) refuses the old weights, naming the flags
-    new, _ = build(*extra, arch=arch)
-    with pytest.raises(ValueError, match="--tim-mechanism-attention-projection shared "
-                                         "--tim-mechanism-attention-head-dim 0"):
-        new.load_state_dict(old.state_dict())
-
-
-def test_new_checkpoint_args_keep_the_per_mechanism_form():
-    args = parse("tim_transformer", *TINY)
-    from fairseq_modattn.models.tim_transformer import tim_base_architecture
-    tim_base_architecture(args)  # as fairseq does again when it loads a checkpoint
-    assert (args.tim_mechanism_attention_projection, args.tim_mechanism_attention_head_dim) == ("per-mechanism", 32)

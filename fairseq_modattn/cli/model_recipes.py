@@ -8,10 +8,9 @@ budget in updates is an equal training budget.
 
 DMA trains with the tiny preset's own settings (``dma_transformer_iwslt_de_en_tiny``: Table 5's
 c_qq 50, c_xq 5, c_kl 0.01, c_grad 10, n_c 4, and the paper's annealing rate 5e-4) under the
-authors' objective, the preset's default. Earlier versions of this package needed hand-tuned
-weights here (c_kl 0.001, c_dv 0.01, c_qq 1, c_xq 1 and a 10x annealing rate) because its
-objective reduced the regularisers as per-token means over all modules, which weighs them
-several times more than the authors' sum over sentences divided by the target tokens;
+authors' objective, the preset's default: it sums each regulariser over sentences and divides
+by the target tokens, so Table 5's weights apply unchanged (per-token means over all modules
+would weigh the regularisers several times more and need hand-tuned weights);
 ``benchmarks/dma_objective.py`` measures the preset as it is (docs/results.md).
 """
 

@@ -63,14 +63,16 @@ from fairseq.models.transformer import (
 )
 from fairseq.utils import safe_getattr
 
+from ..modules.attention_base import check_heads
 from ..modules.dma_attention import (
     ATTENTION_IMPLS,
     AUX_LOSS_NAMES,
     QUERY_GMM_INPUTS,
     SAMPLE_INPUTS,
     DisentangledMaskAttention,
+    check_dma_parameters,
 )
-from ..modules.gmm import GMM_INITS
+from ..modules.gmm import GMM_INITS, check_gmm_init
 from ..modules.mi_bounds import DIV_FORMS, QQ_FORMS
 from .attention_types import ATTENTION_TYPES, parse_attention_types
 from .flag_types import check_finite, finite_float
@@ -112,33 +114,34 @@ def dma_attention_types(cfg) -> List[str]:
     return parse_attention_types(safe_getattr(cfg, "dma_attention", ",".join(ATTENTION_TYPES)), "--dma-attention")
 
 
+#: module parameters whose flag is --dma-<parameter> (n_c's is --dma-clusters)
+DMA_FLAG_PARAMETERS = ("alpha", "anneal_rate", "noise_var", "centroid_grad_mult", "attention_impl", "sample_inputs",
+                       "query_gmm_input", "qq_form", "div_form")
+
+
 def validate_dma_args(args):
-    """Clear errors for impossible DMA settings, before anything is built."""
-    if args.dma_clusters < 1:
-        raise ValueError(f"--dma-clusters must be >= 1, got {args.dma_clusters}")
-    for flag in ("kl_weight", "qq_weight", "xq_weight", "div_weight", "centroid_grad_mult", "anneal_rate"):
+    """Clear errors naming the flag, before anything is built: the module's checks run on the
+    flags, plus those of the settings only the model and its criterion read."""
+    check_dma_parameters(
+        args.dma_clusters, args.dma_alpha, args.dma_anneal_rate, args.dma_noise_var, args.dma_centroid_grad_mult,
+        safe_getattr(args, "dma_attention_impl", "auto"), args.dma_sample_inputs, args.dma_query_gmm_input,
+        args.dma_qq_form, args.dma_div_form,
+        {"num_clusters": "--dma-clusters", **{p: "--dma-" + p.replace("_", "-") for p in DMA_FLAG_PARAMETERS}},
+    )
+    check_gmm_init(args.dma_gmm_init, "--dma-gmm-init")
+    for flag in ("kl_weight", "qq_weight", "xq_weight", "div_weight"):
         check_finite(getattr(args, "dma_" + flag), f"--dma-{flag.replace('_', '-')}", minimum=0.0)
-    if not 0.0 <= args.dma_alpha <= 1.0:  # False for NaN as well
-        raise ValueError(f"--dma-alpha must lie in [0, 1], got {args.dma_alpha}")
-    check_finite(args.dma_noise_var, "--dma-noise-var", minimum=0.0, exclusive=True)
-    for flag, choices in (
-        ("loss_reduction", LOSS_REDUCTIONS),
-        ("qq_form", QQ_FORMS),
-        ("div_form", DIV_FORMS),
-        ("sample_inputs", SAMPLE_INPUTS),
-        ("query_gmm_input", QUERY_GMM_INPUTS),
-        ("gmm_init", GMM_INITS),
-    ):
-        value = getattr(args, "dma_" + flag)
-        if value not in choices:
-            raise ValueError(f"--dma-{flag.replace('_', '-')} must be one of {choices}, got {value!r}")
+    if args.dma_loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"--dma-loss-reduction must be one of {LOSS_REDUCTIONS}, got {args.dma_loss_reduction!r}")
+    types = dma_attention_types(args)
     for side in ("encoder", "decoder"):
-        dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
-        if heads < 1 or dim % heads != 0:
-            raise ValueError(
-                f"--{side}-embed-dim ({dim}) must be divisible by --{side}-attention-heads ({heads})"
-            )
-    dma_attention_types(args)
+        check_heads(getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads"),
+                    names={"embed_dim": f"--{side}-embed-dim", "num_heads": f"--{side}-attention-heads"})
+    if "enc_dec" in types and args.encoder_embed_dim != args.decoder_embed_dim:
+        raise ValueError(
+            f"DMA encoder-decoder attention needs --encoder-embed-dim ({args.encoder_embed_dim}) equal to "
+            f"--decoder-embed-dim ({args.decoder_embed_dim}): one token GMM clusters queries and keys"
+        )
 
 
 def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int, **kwargs) -> DisentangledMaskAttention:

@@ -2,8 +2,8 @@
 
 fairseq parses ``--arch``-specific flags with the ``add_args`` of the model class, so a value
 that argparse accepts reaches the model unchanged. Python's ``float`` accepts ``nan`` and
-``inf``, and comparisons with NaN are all false: ``--dma-noise-var nan`` passed every range
-check and surfaced only at the first update, as an unrelated ``StopIteration`` deep inside
+``inf``, and comparisons with NaN are all false: ``--dma-noise-var nan`` would pass every range
+check and surface only at the first update, as an unrelated ``StopIteration`` deep inside
 training. ``finite_float`` rejects such values while argparse still holds the flag's name, so
 ``fairseq-train`` stops at start-up with one line:
 ``fairseq-train: error: argument --dma-noise-var: must be a finite number, got 'nan'``.

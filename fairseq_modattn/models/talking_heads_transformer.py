@@ -30,7 +30,8 @@ from fairseq.models.transformer import (
 )
 from fairseq.utils import safe_getattr
 
-from ..modules.talking_heads_attention import TalkingHeadsAttention
+from ..modules.attention_base import check_heads
+from ..modules.talking_heads_attention import TalkingHeadsAttention, check_head_projections
 from .attention_types import ATTENTION_TYPES, parse_attention_types, query_stack
 from .transformer_variant import (
     AttentionSwapDecoderLayer,
@@ -47,11 +48,14 @@ def talking_heads_attention_types(cfg) -> List[str]:
 
 
 def head_counts(cfg, side_heads: int):
-    """(h_k, h, h_v): the --th-* flags, each defaulting to the side's attention heads."""
-    heads = safe_getattr(cfg, "th_heads", None) or side_heads
-    key_heads = safe_getattr(cfg, "th_key_heads", None) or heads
-    value_heads = safe_getattr(cfg, "th_value_heads", None) or heads
-    return key_heads, heads, value_heads
+    """(h_k, h, h_v): the --th-* flags, each unset one defaulting to the side's attention heads."""
+    heads = _given(cfg, "th_heads", side_heads)
+    return _given(cfg, "th_key_heads", heads), heads, _given(cfg, "th_value_heads", heads)
+
+
+def _given(cfg, key: str, default: int) -> int:
+    value = safe_getattr(cfg, key, None)
+    return default if value is None else value
 
 
 def build_talking_heads_attention(cfg, attention_type: str, embed_dim: int, side_heads: int,
@@ -73,22 +77,23 @@ def build_talking_heads_attention(cfg, attention_type: str, embed_dim: int, side
 
 
 def validate_talking_heads_args(args):
-    """Clear errors before anything is built (the module checks the same, per side)."""
-    for flag in ("th_heads", "th_key_heads", "th_value_heads"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    # a module's heads split the width of the stack whose layers hold it
+    """Clear errors naming the flag, before anything is built: the module's checks run on the
+    flags of every side that holds a talking-heads module (its heads split that side's width)."""
     sides = {query_stack(t) for t in talking_heads_attention_types(args)}
     for side in ("encoder", "decoder"):
         if side not in sides:
             continue
-        dim = getattr(args, f"{side}_embed_dim")
         key_heads, heads, value_heads = head_counts(args, getattr(args, f"{side}_attention_heads"))
-        # h first: h_k and h_v default to it, so its flag is the one to name
-        for flag, count in (("--th-heads", heads), ("--th-key-heads", key_heads), ("--th-value-heads", value_heads)):
-            if dim % count != 0:
-                raise ValueError(f"{flag} ({count}) must divide --{side}-embed-dim ({dim})")
+        heads_flag = "--th-heads" if args.th_heads is not None else f"--{side}-attention-heads"
+        names = {
+            "embed_dim": f"--{side}-embed-dim", "num_heads": heads_flag,
+            "key_heads": "--th-key-heads" if args.th_key_heads is not None else heads_flag,
+            "value_heads": "--th-value-heads" if args.th_value_heads is not None else heads_flag,
+            "project_logits": "--th-no-logits-projection", "project_weights": "--th-no-weights-projection",
+        }
+        check_heads(getattr(args, f"{side}_embed_dim"), heads, key_heads, value_heads, names)
+        check_head_projections(heads, key_heads, value_heads, not args.th_no_logits_projection,
+                               not args.th_no_weights_projection, names)
 
 
 class TalkingHeadsEncoderLayer(AttentionSwapEncoderLayer):

@@ -22,10 +22,6 @@ Named architectures:
 (all with n_s = 2, competition on, inter-mechanism attention on with per-mechanism q/k/v/out and
 H_c = 2 heads of d_K = 32 units as the paper, TIM in encoder layers 2-4, none in the decoder.)
 
-Checkpoints saved before the per-mechanism inter-mechanism attention (2026-11-25) have args
-without ``tim_mechanism_attention_projection`` / ``_head_dim``; ``fill_legacy_tim_args`` builds
-them with the form they were trained with (shared, d_K = d_m / H_c), matched FFN width included.
-
 Parameter matching (``--tim-match-params``). Block-diagonal projections have 1/n_s of the
 weights of dense ones, so a TIM layer is smaller than the layer it replaces. The paper
 "increases the hidden size to match parameters"; widening D would change every standard layer,
@@ -40,15 +36,14 @@ that brings P_TIM closest to the standard layer's P_std (see ``standard_layer_pa
 ``tim_layer_params``, checked against the built modules in the tests); the count is then
 within (2 d_m + 1) n_s / 2 = 513 of P_std at D = 512, n_s = 2. With the default per-mechanism
 inter-mechanism attention (W = H_c d_K = 64: 4 n_s d_m W + 3 n_s W + D = 131,968 parameters
-and its norm 1,024, against 263,168 for the earlier shared d_m x d_m form), for IWSLT dims
+and its norm 1,024), for IWSLT dims
 (512/1024, n_s = 2) a TIM encoder layer has 2,102,906 parameters against 2,102,784
 (F_t = 2808); for WMT dims (512/2048) 3,152,504 against 3,152,384 (F_t = 4854). Whole models
 (vocabulary 104): tim_transformer_iwslt_de_en_matched 31,703,406 against
 transformer_iwslt_de_en's 31,703,040 (unmatched: 28,957,830);
 tim_transformer_wmt_en_de_matched 44,298,600 against 44,298,240 (unmatched: 39,980,166). TIM
 decoder layers (--tim-decoder-layers) are matched the same way: F_t = 3318 (IWSLT, 3,154,040
-against 3,154,432) and 5364 (WMT, 4,203,638 against 4,204,032). (The shared form used before
-2026-11-25: F_t = 2552 and 4598, models 31,703,022 and 44,298,216.)
+against 3,154,432) and 5364 (WMT, 4,203,638 against 4,204,032).
 
 ``model.competition()`` returns {layer name: its last competition (B, T, n_s)} for analysis.
 """
@@ -64,20 +59,20 @@ from fairseq.models.transformer import (
     transformer_wmt_en_de,
 )
 from fairseq.utils import safe_getattr
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from ..modules.tim_layer import (
-    InterMechanismAttention,
     TIMDecoderLayer,
     TIMEncoderLayer,
     TIMLayerBase,
+    check_fairseq_options,
+    check_ffn_width,
+    check_inter_mechanism_heads,
     check_mechanisms,
 )
 from .transformer_variant import TransformerVariantModel, wrap_layer
 
 SIDES = ("encoder", "decoder")
-PROJECTIONS = InterMechanismAttention.PROJECTIONS
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -128,14 +123,12 @@ def standard_layer_params(embed_dim: int, ffn_dim: int, decoder: bool = False,
 def tim_layer_params(embed_dim: int, ffn_dim: int, num_mechanisms: int, competition: bool = True,
                      mechanism_attention: bool = True, decoder: bool = False,
                      encoder_dim: Optional[int] = None, cross_attention: bool = True,
-                     mechanism_attention_heads: int = 2, mechanism_attention_head_dim: Optional[int] = 32,
-                     mechanism_attention_projection: str = "per-mechanism") -> int:
+                     mechanism_attention_heads: int = 2, mechanism_attention_head_dim: Optional[int] = 32) -> int:
     """Parameters of a TIM layer: block-diagonal maps hold n_s blocks of d_m x d_m = D d_m weights.
 
     The inter-mechanism attention has width W = H_c d_K (d_K = ``mechanism_attention_head_dim``,
-    None or 0: d_m / H_c); per mechanism: q/k/v GroupLinear(n_s, d_m, W), out GroupLinear(n_s, W,
-    d_m), i.e. 4 n_s d_m W weights and 3 n_s W + D biases; shared: Linear(d_m, W) x 3 and
-    Linear(W, d_m), 4 d_m W weights and 3 W + d_m biases.
+    None or 0: d_m / H_c): q/k/v GroupLinear(n_s, d_m, W), out GroupLinear(n_s, W, d_m), i.e.
+    4 n_s d_m W weights and 3 n_s W + D biases.
     """
     D, n = embed_dim, num_mechanisms
     d = D // n
@@ -144,8 +137,7 @@ def tim_layer_params(embed_dim: int, ffn_dim: int, num_mechanisms: int, competit
         total += D + n  # GroupLinear(n_s, d_m, 1)
     if mechanism_attention:
         W = mechanism_attention_heads * (mechanism_attention_head_dim or d // mechanism_attention_heads)
-        blocks = n if mechanism_attention_projection == "per-mechanism" else 1
-        total += blocks * (4 * d * W + 3 * W + d) + 2 * D  # q/k/v/out, group norm
+        total += n * (4 * d * W + 3 * W + d) + 2 * D  # q/k/v/out, group norm
     total += 2 * d * ffn_dim + ffn_dim + D + 2 * D  # grouped fc1, fc2, final group norm
     if decoder and cross_attention:
         k = D if encoder_dim is None else encoder_dim
@@ -156,15 +148,13 @@ def tim_layer_params(embed_dim: int, ffn_dim: int, num_mechanisms: int, competit
 def matched_ffn_dim(embed_dim: int, ffn_dim: int, num_mechanisms: int, competition: bool = True,
                     mechanism_attention: bool = True, decoder: bool = False,
                     encoder_dim: Optional[int] = None, cross_attention: bool = True,
-                    mechanism_attention_heads: int = 2, mechanism_attention_head_dim: Optional[int] = 32,
-                    mechanism_attention_projection: str = "per-mechanism") -> int:
+                    mechanism_attention_heads: int = 2, mechanism_attention_head_dim: Optional[int] = 32) -> int:
     """The multiple of n_s that makes a TIM layer's count closest to the standard layer's."""
     kwargs = dict(decoder=decoder, encoder_dim=encoder_dim, cross_attention=cross_attention)
     target = standard_layer_params(embed_dim, ffn_dim, **kwargs)
     fixed = tim_layer_params(embed_dim, 0, num_mechanisms, competition, mechanism_attention, **kwargs,
                              mechanism_attention_heads=mechanism_attention_heads,
-                             mechanism_attention_head_dim=mechanism_attention_head_dim,
-                             mechanism_attention_projection=mechanism_attention_projection)
+                             mechanism_attention_head_dim=mechanism_attention_head_dim)
     per_unit = 2 * (embed_dim // num_mechanisms) + 1  # parameters per unit of FFN width
     blocks = round((target - fixed) / (per_unit * num_mechanisms))
     return num_mechanisms * max(1, blocks)
@@ -193,11 +183,10 @@ def tim_ffn_dim(cfg, side: str) -> int:
 
 
 def inter_mechanism_kwargs(cfg) -> dict:
-    """Heads, head width (None: d_m / H_c) and projection form of the inter-mechanism attention."""
+    """Heads and head width (None: d_m / H_c) of the inter-mechanism attention."""
     return dict(
         mechanism_attention_heads=cfg.tim_mechanism_attention_heads,
         mechanism_attention_head_dim=cfg.tim_mechanism_attention_head_dim or None,
-        mechanism_attention_projection=cfg.tim_mechanism_attention_projection,
     )
 
 
@@ -207,47 +196,35 @@ def _side_dim(cfg, side: str) -> int:
 
 
 def validate_tim_args(args):
-    """Clear errors naming the flag, before anything is built."""
-    n = args.tim_mechanisms
-    if n < 1:
-        raise ValueError(f"--tim-mechanisms must be >= 1, got {n}")
+    """Clear errors naming the flag, before anything is built: the layers' own checks
+    (``modules/tim_layer.py``) run on the flags, plus those of the flags' own conventions."""
     if args.tim_mechanism_attention_head_dim is None or args.tim_mechanism_attention_head_dim < 0:
         raise ValueError(
             "--tim-mechanism-attention-head-dim must be >= 0 (0: d_m / H_c), "
             f"got {args.tim_mechanism_attention_head_dim}"
         )
-    if args.tim_mechanism_attention_projection not in PROJECTIONS:
-        raise ValueError(
-            f"--tim-mechanism-attention-projection must be one of {', '.join(PROJECTIONS)}, "
-            f"got {args.tim_mechanism_attention_projection!r}"
-        )
     if args.tim_match_params and args.tim_ffn_embed_dim is not None:
         raise ValueError("--tim-ffn-embed-dim and --tim-match-params exclude each other (the latter computes it)")
-    if args.tim_ffn_embed_dim is not None and args.tim_ffn_embed_dim < 1:
-        raise ValueError(f"--tim-ffn-embed-dim must be >= 1, got {args.tim_ffn_embed_dim}")
-    for side in SIDES:
-        if not tim_layer_indices(args, side):
-            continue
-        dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
-        check_mechanisms(dim, heads, n, side)
-        mechanism_dim = dim // n
-        heads_c = args.tim_mechanism_attention_heads
+    sides = [side for side in SIDES if tim_layer_indices(args, side)]
+    if sides:
+        check_fairseq_options(safe_getattr(args, "quant_noise_pq", 0),
+                              "decoder" in sides and safe_getattr(args, "cross_self_attention", False),
+                              {"quant_noise_pq": "--quant-noise-pq", "cross_self_attention": "--cross-self-attention"})
+    n = args.tim_mechanisms
+    for side in sides:
+        dim = getattr(args, f"{side}_embed_dim")
+        check_mechanisms(dim, getattr(args, f"{side}_attention_heads"), n, {
+            "num_mechanisms": "--tim-mechanisms", "embed_dim": f"--{side}-embed-dim",
+            "num_heads": f"--{side}-attention-heads",
+        })
         if not args.tim_no_mechanism_attention:
-            if heads_c < 1:
-                raise ValueError(f"--tim-mechanism-attention-heads must be >= 1, got {heads_c}")
-            if not args.tim_mechanism_attention_head_dim and mechanism_dim % heads_c != 0:
-                raise ValueError(
-                    f"--tim-mechanism-attention-heads ({heads_c}) must divide the mechanism width "
-                    f"--{side}-embed-dim / --tim-mechanisms = {mechanism_dim} when "
-                    "--tim-mechanism-attention-head-dim is 0 (d_K = d_m / H_c)"
-                )
-        ffn = tim_ffn_dim(args, side)
-        if ffn % n != 0:
-            flag = "--tim-ffn-embed-dim" if args.tim_ffn_embed_dim is not None else f"--{side}-ffn-embed-dim"
-            raise ValueError(
-                f"--tim-mechanisms ({n}) must divide the TIM FFN width {ffn} ({flag}); "
-                "each mechanism gets an equal share"
-            )
+            check_inter_mechanism_heads(dim // n, args.tim_mechanism_attention_heads,
+                                        args.tim_mechanism_attention_head_dim or None, {
+                "num_heads": "--tim-mechanism-attention-heads", "head_dim": "--tim-mechanism-attention-head-dim",
+                "mechanism_dim": f"--{side}-embed-dim / --tim-mechanisms",
+            })
+        ffn_flag = "--tim-ffn-embed-dim" if args.tim_ffn_embed_dim is not None else f"--{side}-ffn-embed-dim"
+        check_ffn_width(tim_ffn_dim(args, side), n, {"ffn_embed_dim": ffn_flag, "num_mechanisms": "--tim-mechanisms"})
 
 
 def tim_layer_kwargs(cfg, side: str) -> dict:
@@ -323,10 +300,7 @@ class TIMTransformerModel(TransformerVariantModel):
                            help="heads H_c of the inter-mechanism attention (must divide embed dim / n_s)")
         group.add_argument("--tim-mechanism-attention-head-dim", type=int, metavar="K",
                            help="units d_K per head of the inter-mechanism attention (the paper: 32); "
-                                "0: d_m / H_c (embed dim / n_s / heads, the width before 2026-11-25)")
-        group.add_argument("--tim-mechanism-attention-projection", choices=PROJECTIONS,
-                           help="per-mechanism (the paper: each mechanism's own q/k/v/out, GroupLinear) "
-                                "or shared (one q/k/v/out for all mechanisms, the form before 2026-11-25)")
+                                "0: d_m / H_c (embed dim / n_s / heads)")
         group.add_argument("--tim-no-mechanism-attention", action="store_true",
                            help="drop the inter-mechanism attention step of TIM layers")
         group.add_argument("--tim-ffn-embed-dim", type=int, metavar="F",
@@ -353,50 +327,15 @@ class TIMTransformerModel(TransformerVariantModel):
 # Each function only fills defaults (safe_getattr keeps what the command line set) and then
 # calls the fairseq architecture with the same dimensions.
 
-#: the TIM args of every checkpoint saved before 2026-11-25 (the architecture functions set all of them)
-LEGACY_TIM_ARGS = (
-    "tim_mechanisms", "tim_encoder_layers", "tim_decoder_layers", "tim_no_competition",
-    "tim_mechanism_attention_heads", "tim_no_mechanism_attention", "tim_ffn_embed_dim", "tim_match_params",
-)
-#: what the args added on 2026-11-25 meant before then: one shared q/k/v/out, d_K = d_m / H_c
-LEGACY_INTER_MECHANISM_ARGS = {"tim_mechanism_attention_projection": "shared", "tim_mechanism_attention_head_dim": 0}
-
-
-def _has_arg(args, key: str) -> bool:
-    if OmegaConf.is_config(args):
-        return key in args
-    return hasattr(args, key)
-
-
-def fill_legacy_tim_args(args):
-    """Give the args of a checkpoint saved before the per-mechanism inter-mechanism attention
-    the form it was trained with (shared, d_K = d_m / H_c) instead of today's defaults.
-
-    Such args hold all of ``LEGACY_TIM_ARGS`` (the architecture function set them before the
-    checkpoint was saved; fairseq rebuilds a loaded model from them). Fresh command-line args
-    never do: fairseq suppresses the defaults of model flags, so a key is there only if its flag
-    was given, and ``--tim-ffn-embed-dim`` with ``--tim-match-params`` is refused. Called first
-    by every architecture function, before any of them fills a default.
-    """
-    if all(_has_arg(args, key) for key in LEGACY_TIM_ARGS):
-        for key, value in LEGACY_INTER_MECHANISM_ARGS.items():
-            if not _has_arg(args, key):
-                setattr(args, key, value)
-
-
 @register_model_architecture("tim_transformer", "tim_transformer")
 def tim_base_architecture(args):
-    fill_legacy_tim_args(args)
     args.tim_mechanisms = safe_getattr(args, "tim_mechanisms", 2)
     args.tim_encoder_layers = safe_getattr(args, "tim_encoder_layers", "auto")
     args.tim_decoder_layers = safe_getattr(args, "tim_decoder_layers", "none")
     args.tim_no_competition = safe_getattr(args, "tim_no_competition", False)
-    # Step 3 as the paper: "2 heads with 32 units each", per-mechanism q/k/v/out (GroupLinear)
+    # Step 3 as the paper: "2 heads with 32 units each"
     args.tim_mechanism_attention_heads = safe_getattr(args, "tim_mechanism_attention_heads", 2)
     args.tim_mechanism_attention_head_dim = safe_getattr(args, "tim_mechanism_attention_head_dim", 32)
-    args.tim_mechanism_attention_projection = safe_getattr(
-        args, "tim_mechanism_attention_projection", "per-mechanism"
-    )
     args.tim_no_mechanism_attention = safe_getattr(args, "tim_no_mechanism_attention", False)
     args.tim_ffn_embed_dim = safe_getattr(args, "tim_ffn_embed_dim", None)
     args.tim_match_params = safe_getattr(args, "tim_match_params", False)
@@ -405,27 +344,23 @@ def tim_base_architecture(args):
 
 @register_model_architecture("tim_transformer", "tim_transformer_iwslt_de_en")
 def tim_transformer_iwslt_de_en(args):
-    fill_legacy_tim_args(args)
     transformer_iwslt_de_en(args)
     tim_base_architecture(args)
 
 
 @register_model_architecture("tim_transformer", "tim_transformer_wmt_en_de")
 def tim_transformer_wmt_en_de(args):
-    fill_legacy_tim_args(args)
     transformer_wmt_en_de(args)
     tim_base_architecture(args)
 
 
 @register_model_architecture("tim_transformer", "tim_transformer_iwslt_de_en_matched")
 def tim_transformer_iwslt_de_en_matched(args):
-    fill_legacy_tim_args(args)
     args.tim_match_params = safe_getattr(args, "tim_match_params", True)
     tim_transformer_iwslt_de_en(args)
 
 
 @register_model_architecture("tim_transformer", "tim_transformer_wmt_en_de_matched")
 def tim_transformer_wmt_en_de_matched(args):
-    fill_legacy_tim_args(args)
     args.tim_match_params = safe_getattr(args, "tim_match_params", True)
     tim_transformer_wmt_en_de(args)

@@ -51,7 +51,7 @@ Two more knobs for variants whose projections are not one dense matrix per head:
       ``GroupLinear``); ``reset_parameters`` calls ``init_projection`` on each.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
+from .parameter_names import parameter_names
 from .precision import at_least_fp32
 
 
@@ -110,6 +111,21 @@ def additive_attention_mask(
     return mask
 
 
+def check_heads(embed_dim: int, num_heads: int, key_heads: Optional[int] = None, value_heads: Optional[int] = None,
+                names: Optional[Mapping[str, str]] = None):
+    """ValueError unless every head count (h, and h_k, h_v where given) is >= 1 and divides
+    ``embed_dim``: each head owns embed_dim / count units. ``names``: what the caller calls each
+    parameter (``parameter_names``); h is checked first, as h_k and h_v default to it."""
+    name = parameter_names(names)
+    for parameter, heads in (("num_heads", num_heads), ("key_heads", key_heads), ("value_heads", value_heads)):
+        if heads is None:
+            continue
+        if heads < 1:
+            raise ValueError(f"{name[parameter]} must be >= 1, got {heads}")
+        if embed_dim % heads != 0:
+            raise ValueError(f"{name[parameter]} ({heads}) must divide {name['embed_dim']} ({embed_dim})")
+
+
 @with_incremental_state
 class MultiheadAttentionBase(nn.Module):
     """Projections, caching and masking around a variant's ``attend`` step (see module doc)."""
@@ -133,12 +149,7 @@ class MultiheadAttentionBase(nn.Module):
         super().__init__()
         key_heads = num_heads if key_heads is None else key_heads
         value_heads = num_heads if value_heads is None else value_heads
-        for heads in (num_heads, key_heads, value_heads):
-            if heads < 1 or embed_dim % heads != 0:
-                raise ValueError(
-                    f"embed_dim ({embed_dim}) must be divisible by the number of attention heads "
-                    f"({heads}): check --encoder-attention-heads / --decoder-attention-heads"
-                )
+        check_heads(embed_dim, num_heads, key_heads, value_heads)
         if self_attention and encoder_decoder_attention:
             raise ValueError("an attention module is either self- or encoder-decoder attention")
         self.embed_dim = embed_dim

@@ -61,7 +61,7 @@ encoder-decoder attention then added (as the authors' code adds them) rather tha
 """
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,7 @@ from .mi_bounds import (
     sample_negatives,
 )
 from .noise import ReplayableNoise
+from .parameter_names import parameter_names
 from .precision import at_least_fp32
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
@@ -104,6 +105,32 @@ def posteriors(state: Dict[str, Tensor]) -> Tensor:
 def annealing_rate(num_updates: int, alpha: float, rate: float) -> float:
     """gamma(t) = 1 - max(1 - alpha, exp(-rate * t)): 0 at t = 0, tends to alpha."""
     return 1.0 - max(1.0 - alpha, math.exp(-rate * num_updates))
+
+
+def check_dma_parameters(num_clusters: int, alpha: float, anneal_rate: float, noise_var: float,
+                         centroid_grad_mult: float, attention_impl: str, sample_inputs: str, query_gmm_input: str,
+                         qq_form: str, div_form: str, names: Optional[Mapping[str, str]] = None):
+    """ValueError for a setting of ``DisentangledMaskAttention`` outside its domain (n_c >= 1,
+    alpha in [0, 1], r >= 0, s^2 > 0, c_grad >= 0, each real number finite; each form one of its
+    choices). ``names``: what the caller calls each parameter (``parameter_names``)."""
+    name = parameter_names(names)
+    if num_clusters < 1:
+        raise ValueError(f"{name['num_clusters']} must be >= 1, got {num_clusters}")
+    if not 0.0 <= alpha <= 1.0:  # False for NaN as well
+        raise ValueError(f"{name['alpha']} must lie in [0, 1], got {alpha}")
+    for parameter, value, positive in (("anneal_rate", anneal_rate, False), ("noise_var", noise_var, True),
+                                       ("centroid_grad_mult", centroid_grad_mult, False)):
+        if not math.isfinite(value) or value < 0.0 or (positive and value == 0.0):
+            raise ValueError(f"{name[parameter]} must be a finite number {'>' if positive else '>='} 0, got {value}")
+    for parameter, value, choices in (
+        ("attention_impl", attention_impl, ATTENTION_IMPLS),
+        ("sample_inputs", sample_inputs, SAMPLE_INPUTS),
+        ("query_gmm_input", query_gmm_input, QUERY_GMM_INPUTS),
+        ("qq_form", qq_form, QQ_FORMS),
+        ("div_form", div_form, DIV_FORMS),
+    ):
+        if value not in choices:
+            raise ValueError(f"{name[parameter]} must be one of {choices}, got {value!r}")
 
 
 class DisentangledMaskAttention(MultiheadAttentionBase):
@@ -156,30 +183,11 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         super().__init__(
             embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention
         )
-        if num_clusters < 1:
-            raise ValueError(f"--dma-clusters must be >= 1, got {num_clusters}")
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"--dma-alpha must lie in [0, 1], got {alpha}")
-        if anneal_rate < 0.0:
-            raise ValueError(f"--dma-anneal-rate must be >= 0, got {anneal_rate}")
-        if noise_var <= 0.0:
-            raise ValueError(f"--dma-noise-var must be > 0, got {noise_var}")
-        if attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"--dma-attention-impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
-        for flag, value, choices in (
-            ("--dma-sample-inputs", sample_inputs, SAMPLE_INPUTS),
-            ("--dma-query-gmm-input", query_gmm_input, QUERY_GMM_INPUTS),
-            ("--dma-qq-form", qq_form, QQ_FORMS),
-            ("--dma-div-form", div_form, DIV_FORMS),
-        ):
-            if value not in choices:
-                raise ValueError(f"{flag} must be one of {choices}, got {value!r}")
+        check_dma_parameters(num_clusters, alpha, anneal_rate, noise_var, centroid_grad_mult, attention_impl,
+                             sample_inputs, query_gmm_input, qq_form, div_form)
         if self.kdim != embed_dim:
             # P^q and P^k come from the same token GMM, so both inputs need the same width.
-            raise ValueError(
-                f"DMA attention needs key inputs as wide as queries ({self.kdim} != {embed_dim}):"
-                " use --encoder-embed-dim equal to --decoder-embed-dim"
-            )
+            raise ValueError(f"DMA attention needs key inputs as wide as queries: kdim ({self.kdim}) != embed_dim ({embed_dim})")
         self.num_clusters = num_clusters
         self.alpha = alpha
         self.anneal_rate = anneal_rate

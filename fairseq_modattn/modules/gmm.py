@@ -275,6 +275,12 @@ def _mean_rebuilder(
     return mean_of
 
 
+def check_gmm_init(init: str, name: str = "init"):
+    """ValueError unless ``init`` is one of ``GMM_INITS``; ``name``: what the caller calls it."""
+    if init not in GMM_INITS:
+        raise ValueError(f"{name} must be one of {GMM_INITS}, got {init!r}")
+
+
 class DiagonalGMM(nn.Module):
     """``num_groups`` diagonal GMMs with ``num_components`` components in ``dim`` dimensions.
 
@@ -298,8 +304,7 @@ class DiagonalGMM(nn.Module):
         super().__init__()
         if num_components < 1:
             raise ValueError(f"a GMM needs at least one component, got {num_components}")
-        if init not in GMM_INITS:
-            raise ValueError(f"GMM initialisation must be one of {GMM_INITS}, got {init!r}")
+        check_gmm_init(init)
         self.init = init
         self.num_components = num_components
         self.dim = dim

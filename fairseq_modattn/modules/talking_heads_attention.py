@@ -43,13 +43,14 @@ products, so no fused attention kernel applies); the mixing itself is one batche
 a (B, h_in, T * S) view per projection, no loop over heads.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
+from .parameter_names import parameter_names
 
 
 def mix_heads(scores: Tensor, projection: Tensor) -> Tensor:
@@ -57,6 +58,27 @@ def mix_heads(scores: Tensor, projection: Tensor) -> Tensor:
     bsz, heads, tgt_len, src_len = scores.shape
     mixed = torch.matmul(projection.t().to(scores.dtype), scores.reshape(bsz, heads, tgt_len * src_len))
     return mixed.view(bsz, -1, tgt_len, src_len)
+
+
+def check_head_projections(num_heads: int, key_heads: int, value_heads: int, project_logits: bool,
+                           project_weights: bool, names: Optional[Mapping[str, str]] = None):
+    """ValueError where a head projection that is switched off would have to change the head
+    count: without P_l the logits keep h_k heads, so h_k must equal h; without P_w the weights
+    keep h heads, so h_v must equal h. ``names``: what the caller calls each parameter
+    (``parameter_names``; ``project_logits`` / ``project_weights`` name the switch being off).
+    The counts themselves are ``attention_base.check_heads``'s."""
+    name = parameter_names({"project_logits": "project_logits=False", "project_weights": "project_weights=False",
+                            **(names or {})})
+    if not project_logits and key_heads != num_heads:
+        raise ValueError(
+            f"without the logits projection ({name['project_logits']}) the key heads "
+            f"({name['key_heads']} {key_heads}) must equal the softmax heads ({name['num_heads']} {num_heads})"
+        )
+    if not project_weights and value_heads != num_heads:
+        raise ValueError(
+            f"without the weights projection ({name['project_weights']}) the value heads "
+            f"({name['value_heads']} {value_heads}) must equal the softmax heads ({name['num_heads']} {num_heads})"
+        )
 
 
 class TalkingHeadsAttention(MultiheadAttentionBase):
@@ -87,21 +109,7 @@ class TalkingHeadsAttention(MultiheadAttentionBase):
     ):
         key_heads = num_heads if key_heads is None else key_heads
         value_heads = num_heads if value_heads is None else value_heads
-        for flag, heads in (("--th-heads", num_heads), ("--th-key-heads", key_heads), ("--th-value-heads", value_heads)):
-            if heads < 1:
-                raise ValueError(f"{flag} must be >= 1, got {heads}")
-            if embed_dim % heads != 0:
-                raise ValueError(f"{flag} ({heads}) must divide the attention width ({embed_dim})")
-        if not project_logits and key_heads != num_heads:
-            raise ValueError(
-                f"without the logits projection (--th-no-logits-projection) the key heads "
-                f"(--th-key-heads {key_heads}) must equal the softmax heads (--th-heads {num_heads})"
-            )
-        if not project_weights and value_heads != num_heads:
-            raise ValueError(
-                f"without the weights projection (--th-no-weights-projection) the value heads "
-                f"(--th-value-heads {value_heads}) must equal the softmax heads (--th-heads {num_heads})"
-            )
+        check_head_projections(num_heads, key_heads, value_heads, project_logits, project_weights)
         super().__init__(
             embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention,
             key_heads=key_heads, value_heads=value_heads,

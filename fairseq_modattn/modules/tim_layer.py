@@ -35,15 +35,13 @@ Step 3 against the paper and the TIM authors' fairseq fork (github.com/alexmlamb
 ``mha_grouped``, class ``Attention`` in ``fairseq/modules/transformer_layer.py`` with
 ``GroupLinearLayer`` from ``fairseq/modules/group_linear_layer.py``), choice by choice:
 
-* Projections per mechanism (default ``--tim-mechanism-attention-projection per-mechanism``):
-  Algorithm 1 has W^Q_3 in R^{n_s x d_m x H_c d_K} applied with GroupLinear, likewise K, V; the
-  fork's ``query_net``/``key_net``/``value_net`` are ``GroupLinearLayer(d_m, H_c d_K, n_s)``.
-  Until 2026-11-25 this package shared one ``nn.Linear(d_m, d_m)`` among the mechanisms, which
-  cannot represent the paper's layer; ``shared`` keeps that form for its checkpoints.
-* Head width (default H_c = 2, ``--tim-mechanism-attention-head-dim`` d_K = 32): the paper's
-  "2 heads with 32 units each"; the fork hard-codes ``n_heads = 2``, ``head_dim = 32`` whatever
-  the width. d_K is independent of d_m (W = H_c d_K = 64 < d_m = 256 at D = 512, n_s = 2);
-  ``--tim-mechanism-attention-head-dim 0`` gives the earlier d_K = d_m / H_c.
+* Projections per mechanism: Algorithm 1 has W^Q_3 in R^{n_s x d_m x H_c d_K} applied with
+  GroupLinear, likewise K, V; the fork's ``query_net``/``key_net``/``value_net`` are
+  ``GroupLinearLayer(d_m, H_c d_K, n_s)``. One map shared by the mechanisms could not represent
+  the paper's layer: mechanism j's query, key and value would not be its own.
+* Head width (default H_c = 2, d_K = 32): the paper's "2 heads with 32 units each"; the fork
+  hard-codes ``n_heads = 2``, ``head_dim = 32`` whatever the width. d_K is independent of d_m
+  (W = H_c d_K = 64 < d_m = 256 at D = 512, n_s = 2); ``head_dim=None`` gives d_K = d_m / H_c.
 * Output projection per mechanism, H_c d_K -> d_m: the fork's ``final =
   GroupLinearLayer(H_c d_K, d_m, n_s)`` (the paper's step 3 does not spell it out).
 * Scores scaled by d_K^-1/2 and softmax over the key mechanisms, as the fork. We add the
@@ -64,7 +62,7 @@ Step 3 against the paper and the TIM authors' fairseq fork (github.com/alexmlamb
 with the reason for each difference.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -75,6 +73,7 @@ from torch import Tensor
 
 from .attention_base import MultiheadAttentionBase
 from .group_linear import GroupLayerNorm, GroupLinear
+from .parameter_names import parameter_names
 from .precision import at_least_fp32
 
 #: initial gain of the competition scores: small, so that c starts close to uniform (1 / n_s)
@@ -82,19 +81,59 @@ from .precision import at_least_fp32
 COMPETITION_INIT_GAIN = 0.1
 
 
-def check_mechanisms(embed_dim: int, num_heads: int, num_mechanisms: int, side: str = "encoder"):
-    """Clear errors for a split of ``embed_dim`` / ``num_heads`` into ``num_mechanisms``."""
+def check_mechanisms(embed_dim: int, num_heads: int, num_mechanisms: int, names: Optional[Mapping[str, str]] = None):
+    """ValueError unless ``num_mechanisms`` splits ``embed_dim`` and ``num_heads`` evenly: each
+    mechanism owns d_m = D / n_s units and H / n_s heads. ``names``: what the caller calls each
+    parameter (``parameter_names``)."""
+    name = parameter_names(names)
     if num_mechanisms < 1:
-        raise ValueError(f"--tim-mechanisms must be >= 1, got {num_mechanisms}")
+        raise ValueError(f"{name['num_mechanisms']} must be >= 1, got {num_mechanisms}")
     if embed_dim % num_mechanisms != 0:
-        raise ValueError(
-            f"--tim-mechanisms ({num_mechanisms}) must divide --{side}-embed-dim ({embed_dim})"
-        )
+        raise ValueError(f"{name['num_mechanisms']} ({num_mechanisms}) must divide {name['embed_dim']} ({embed_dim})")
     if num_heads % num_mechanisms != 0:
         raise ValueError(
-            f"--tim-mechanisms ({num_mechanisms}) must divide --{side}-attention-heads ({num_heads}): "
+            f"{name['num_mechanisms']} ({num_mechanisms}) must divide {name['num_heads']} ({num_heads}): "
             "each mechanism owns the same number of heads"
         )
+
+
+def check_ffn_width(ffn_embed_dim: int, num_mechanisms: int, names: Optional[Mapping[str, str]] = None):
+    """ValueError unless the mechanism-wise FFN width is a positive multiple of n_s."""
+    name = parameter_names(names)
+    if ffn_embed_dim < num_mechanisms or ffn_embed_dim % num_mechanisms != 0:
+        raise ValueError(
+            f"{name['ffn_embed_dim']} ({ffn_embed_dim}) must be a positive multiple of "
+            f"{name['num_mechanisms']} ({num_mechanisms}): each mechanism gets an equal share"
+        )
+
+
+def check_inter_mechanism_heads(mechanism_dim: int, num_heads: int, head_dim: Optional[int],
+                                names: Optional[Mapping[str, str]] = None):
+    """ValueError unless step 3 has H_c >= 1 heads of d_K >= 1 units; ``head_dim=None`` means
+    d_K = d_m / H_c, which needs H_c to divide d_m."""
+    name = parameter_names(names)
+    if num_heads < 1:
+        raise ValueError(f"{name['num_heads']} must be >= 1, got {num_heads}")
+    if head_dim is None:
+        if mechanism_dim % num_heads != 0:
+            raise ValueError(
+                f"{name['num_heads']} ({num_heads}) must divide the mechanism width d_m = "
+                f"{name['mechanism_dim']} ({mechanism_dim}) for d_K = d_m / H_c; or give {name['head_dim']}"
+            )
+    elif head_dim < 1:
+        raise ValueError(f"{name['head_dim']} must be >= 1, got {head_dim}")
+
+
+def check_fairseq_options(quant_noise_pq: float = 0.0, cross_self_attention: bool = False,
+                          names: Optional[Mapping[str, str]] = None):
+    """TIM layers implement neither of these options of fairseq's layers: refuse them rather
+    than ignore them. Default names: the fields of fairseq's ``TransformerConfig``."""
+    name = parameter_names({"quant_noise_pq": "cfg.quant_noise.pq", "cross_self_attention": "cfg.cross_self_attention",
+                            **(names or {})})
+    if quant_noise_pq > 0:
+        raise ValueError(f"{name['quant_noise_pq']} is not supported by TIM layers")
+    if cross_self_attention:
+        raise ValueError(f"{name['cross_self_attention']} is not supported by TIM decoder layers")
 
 
 class MechanismAttention(MultiheadAttentionBase):
@@ -152,119 +191,68 @@ class InterMechanismAttention(nn.Module):
     At every position independently the n_s mechanism vectors (width d_m) are n_s "tokens"
     attending to each other with ``num_heads`` (H_c) heads of ``head_dim`` (d_K) units; the
     attention width is W = H_c d_K and the output projection maps it back to d_m. Input and
-    output (..., n_s * d_m). Two forms (``projection``):
+    output (..., n_s * d_m). q, k, v are ``GroupLinear(n_s, d_m, W)`` and out is
+    ``GroupLinear(n_s, W, d_m)``: mechanism j's query, key and value come from mechanism j's own
+    weights (W^Q_3 in R^{n_s x d_m x H_c d_K}, Q = GroupLinear(h, W^Q_3, n_s), likewise K and V),
+    and mechanism i's output projection is its own. The paper gives "2 heads with 32 units
+    each" (H_c = 2, d_K = 32); ``head_dim=None`` means d_K = d_m / H_c. Weights
+    ``q_proj.weight`` etc. have shape (n_s, d_m, W), ``out_proj.weight`` (n_s, W, d_m).
 
-    * ``"per-mechanism"`` (the paper, and the default): q, k, v are ``GroupLinear(n_s, d_m, W)``
-      and out is ``GroupLinear(n_s, W, d_m)`` -- mechanism j's query, key and value come from
-      mechanism j's own weights (W^Q_3 in R^{n_s x d_m x H_c d_K}, Q = GroupLinear(h, W^Q_3, n_s),
-      likewise K and V), and mechanism i's output projection is its own. The paper gives
-      "2 heads with 32 units each" (H_c = 2, d_K = 32). Weights ``q_proj.weight`` etc. have
-      shape (n_s, d_m, W), ``out_proj.weight`` (n_s, W, d_m).
-    * ``"shared"`` (the form of this package before 2026-11-25, kept for its checkpoints): q, k, v
-      are ``nn.Linear(d_m, W)`` and out ``nn.Linear(W, d_m)``, one set for all mechanisms. With
-      ``head_dim=None`` (d_K = d_m / H_c, W = d_m) it is exactly the earlier layer.
+    Computation: q, k and v of all mechanisms come from one batched ``baddbmm`` over the n_s
+    blocks (the three weights concatenated along the output dim), laid out (n_s, N, H_c, d_K)
+    for the N positions. The n_s x n_s scores of all positions come from one broadcast product
+    summed over d_K, (n_s, 1, N, H_c, d_K) * (1, n_s, N, H_c, d_K), and the outputs likewise
+    (weights times values summed over the key mechanism). This is exact attention; with n_s
+    "tokens" per position (2 by default) the temporary holds n_s^2 W numbers per position. A
+    fused attention kernel is the wrong tool at sequence length n_s: measured on an H100 (fp32,
+    4096 tokens, D = 512, n_s = 2), ``scaled_dot_product_attention`` over an (N, H_c, n_s, d)
+    layout took ~2 ms forward + backward per TIM layer, a fifth of a whole transformer step.
 
-    ``head_dim=None`` means d_K = d_m / H_c in either form.
-
-    Computation (both forms): q, k and v of all mechanisms come from one fused matmul (the three
-    weights concatenated along the output dim; for the per-mechanism form one batched
-    ``baddbmm`` over the n_s blocks, as ``GroupLinear``), laid out (n_s, N, H_c, d_K) for the N
-    positions. The n_s x n_s scores of all positions come from one broadcast product summed
-    over d_K, (n_s, 1, N, H_c, d_K) * (1, n_s, N, H_c, d_K), and the outputs likewise (weights
-    times values summed over the key mechanism). This is exact attention; with n_s "tokens"
-    per position (2 by default) the temporary holds n_s^2 W numbers per position. A fused
-    attention kernel is the wrong tool at sequence length n_s: measured on an H100 (fp32, 4096
-    tokens, D = 512, n_s = 2), ``scaled_dot_product_attention`` over an (N, H_c, n_s, d) layout
-    took ~2 ms forward + backward per TIM layer, a fifth of a whole transformer step.
-
-    Initialisation as fairseq's ``MultiheadAttention`` (Xavier-uniform, gain 2^-1/2 for q/k/v,
-    1 for out, out bias zero), per mechanism block in the per-mechanism form, where the q/k/v
-    biases start at zero as in ``MechanismAttention``. (The TIM authors' fairseq fork draws
-    every weight and bias of its ``GroupLinearLayer`` from U(+-1/sqrt(n_s * out)); we keep
-    fairseq's initialisation, as for every other projection of this package.)
+    Initialisation as fairseq's ``MultiheadAttention`` per mechanism block (Xavier-uniform, gain
+    2^-1/2 for q/k/v, 1 for out, out bias zero; the q/k/v biases start at zero as in
+    ``MechanismAttention``). (The TIM authors' fairseq fork draws every weight and bias of its
+    ``GroupLinearLayer`` from U(+-1/sqrt(n_s * out)); we keep fairseq's initialisation, as for
+    every other projection of this package.)
     """
 
-    PROJECTIONS = ("per-mechanism", "shared")
-
-    def __init__(self, mechanism_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 num_mechanisms: Optional[int] = None, head_dim: Optional[int] = None,
-                 projection: str = "per-mechanism"):
+    def __init__(self, mechanism_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True, *,
+                 num_mechanisms: int, head_dim: Optional[int] = None):
         super().__init__()
-        if projection not in self.PROJECTIONS:
-            raise ValueError(
-                f"--tim-mechanism-attention-projection must be one of {', '.join(self.PROJECTIONS)}, "
-                f"got {projection!r}"
-            )
-        if num_heads < 1:
-            raise ValueError(f"--tim-mechanism-attention-heads must be >= 1, got {num_heads}")
-        if head_dim is None:
-            if mechanism_dim % num_heads != 0:
-                raise ValueError(
-                    f"--tim-mechanism-attention-heads ({num_heads}) must divide the mechanism width "
-                    f"d_m = embed dim / --tim-mechanisms ({mechanism_dim}) when "
-                    "--tim-mechanism-attention-head-dim is 0 (d_K = d_m / H_c)"
-                )
-            head_dim = mechanism_dim // num_heads
-        if head_dim < 1:
-            raise ValueError(f"--tim-mechanism-attention-head-dim must be >= 0, got {head_dim}")
-        if projection == "per-mechanism" and (num_mechanisms is None or num_mechanisms < 1):
-            raise ValueError("the per-mechanism inter-mechanism attention needs num_mechanisms")
+        check_inter_mechanism_heads(mechanism_dim, num_heads, head_dim)
+        if num_mechanisms < 1:
+            raise ValueError(f"num_mechanisms must be >= 1, got {num_mechanisms}")
         self.mechanism_dim = mechanism_dim
         self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.attn_dim = width = num_heads * head_dim
-        self.projection = projection
-        self.per_mechanism = projection == "per-mechanism"
-        self.num_mechanisms = num_mechanisms if self.per_mechanism else None
+        self.head_dim = mechanism_dim // num_heads if head_dim is None else head_dim
+        self.attn_dim = width = num_heads * self.head_dim
+        self.num_mechanisms = n = num_mechanisms
         self.dropout = dropout
-        if self.per_mechanism:
-            n = num_mechanisms
-            self.q_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
-            self.k_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
-            self.v_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
-            self.out_proj = GroupLinear(n, width, mechanism_dim, bias=bias)
-        else:
-            self.q_proj = nn.Linear(mechanism_dim, width, bias=bias)
-            self.k_proj = nn.Linear(mechanism_dim, width, bias=bias)
-            self.v_proj = nn.Linear(mechanism_dim, width, bias=bias)
-            self.out_proj = nn.Linear(width, mechanism_dim, bias=bias)
+        self.q_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
+        self.k_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
+        self.v_proj = GroupLinear(n, mechanism_dim, width, bias=bias)
+        self.out_proj = GroupLinear(n, width, mechanism_dim, bias=bias)
         self.reset_parameters()
 
     def reset_parameters(self):
-        # fairseq's MultiheadAttention initialisation (per block for GroupLinear)
-        if self.per_mechanism:
-            for proj in (self.q_proj, self.k_proj, self.v_proj):
-                proj.reset_parameters(2 ** -0.5)
-            self.out_proj.reset_parameters()
-            return
+        # fairseq's MultiheadAttention initialisation, per mechanism block
         for proj in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=2 ** -0.5)
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        if self.out_proj.bias is not None:
-            nn.init.constant_(self.out_proj.bias, 0.0)
+            proj.reset_parameters(2 ** -0.5)
+        self.out_proj.reset_parameters()
 
     def _qkv(self, tokens: Tensor) -> Tensor:
         """q, k, v of (N, n_s, d_m) tokens from one fused matmul: (n_s, N, 3 W)."""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
-        bias = None
-        if q.bias is not None:
-            bias = torch.cat([q.bias, k.bias, v.bias], dim=-1)
-        if self.per_mechanism:  # (n_s, N, d_m) @ (n_s, d_m, 3W): mechanism j's own block
-            groups = tokens.transpose(0, 1)
-            weight = torch.cat([q.weight, k.weight, v.weight], dim=-1)
-            if bias is None:
-                return torch.bmm(groups, weight)
-            return torch.baddbmm(bias.unsqueeze(1), groups, weight)
-        weight = torch.cat([q.weight, k.weight, v.weight])  # nn.Linear: (3W, d_m)
-        return F.linear(tokens.transpose(0, 1), weight, bias)
+        groups = tokens.transpose(0, 1)  # (n_s, N, d_m) @ (n_s, d_m, 3W): mechanism j's own block
+        weight = torch.cat([q.weight, k.weight, v.weight], dim=-1)
+        if q.bias is None:
+            return torch.bmm(groups, weight)
+        return torch.baddbmm(torch.cat([q.bias, k.bias, v.bias], dim=-1).unsqueeze(1), groups, weight)
 
     def forward(self, x: Tensor) -> Tensor:
         lead, width = x.shape[:-1], x.size(-1)
-        if width % self.mechanism_dim != 0:
-            raise ValueError(f"input width {width} is not a multiple of the mechanism width {self.mechanism_dim}")
-        n = width // self.mechanism_dim
-        if self.per_mechanism and n != self.num_mechanisms:
-            raise ValueError(f"expected {self.num_mechanisms} mechanisms of width {self.mechanism_dim}, got {n}")
+        n = self.num_mechanisms
+        if width != n * self.mechanism_dim:
+            raise ValueError(f"expected {n} mechanisms of width {self.mechanism_dim}, got an input of width {width}")
         tokens = x.reshape(-1, n, self.mechanism_dim)  # (N, n_s, d_m)
         qkv = self._qkv(tokens).view(n, -1, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(2)  # each (n_s, N, H_c, d_K)
@@ -274,15 +262,13 @@ class InterMechanismAttention(nn.Module):
         weights = F.dropout(weights, self.dropout, self.training).to(v.dtype)
         out = (weights.unsqueeze(-1) * v.unsqueeze(0)).sum(1)  # (n_s, N, H_c, d_K)
         out = out.reshape(n, -1, self.attn_dim)
-        if self.per_mechanism:  # mechanism i's own output block: (n_s, N, W) @ (n_s, W, d_m)
-            o = self.out_proj
-            out = torch.bmm(out, o.weight) if o.bias is None else torch.baddbmm(o.bias.unsqueeze(1), out, o.weight)
-        else:
-            out = self.out_proj(out)
+        # mechanism i's own output block: (n_s, N, W) @ (n_s, W, d_m)
+        o = self.out_proj
+        out = torch.bmm(out, o.weight) if o.bias is None else torch.baddbmm(o.bias.unsqueeze(1), out, o.weight)
         return out.transpose(0, 1).reshape(*lead, width)
 
     def extra_repr(self) -> str:
-        return (f"projection={self.projection}, mechanism_dim={self.mechanism_dim}, "
+        return (f"mechanisms={self.num_mechanisms}, mechanism_dim={self.mechanism_dim}, "
                 f"num_heads={self.num_heads}, head_dim={self.head_dim}")
 
 
@@ -299,21 +285,17 @@ class TIMLayerBase(nn.Module):
         mechanism_attention: bool,
         ffn_embed_dim: Optional[int],
         mechanism_attention_head_dim: Optional[int] = 32,
-        mechanism_attention_projection: str = "per-mechanism",
     ):
-        if utils.safe_getattr(cfg.quant_noise, "pq", 0) > 0:
-            raise ValueError("--quant-noise-pq is not supported by TIM layers")
+        side = f"cfg.{self.side}"  # what the layer reads its dimensions from
+        check_fairseq_options(utils.safe_getattr(cfg.quant_noise, "pq", 0))
         self.embed_dim = side_cfg.embed_dim
         n = num_mechanisms
-        check_mechanisms(self.embed_dim, side_cfg.attention_heads, n, self.side)
+        check_mechanisms(self.embed_dim, side_cfg.attention_heads, n,
+                         {"embed_dim": f"{side}.embed_dim", "num_heads": f"{side}.attention_heads"})
         self.num_mechanisms = n
         self.mechanism_dim = d = self.embed_dim // n
         ffn = side_cfg.ffn_embed_dim if ffn_embed_dim is None else ffn_embed_dim
-        if ffn < n or ffn % n != 0:
-            raise ValueError(
-                f"the TIM FFN width ({ffn}; --tim-ffn-embed-dim or --{self.side}-ffn-embed-dim) must be "
-                f"a positive multiple of --tim-mechanisms ({n})"
-            )
+        check_ffn_width(ffn, n, None if ffn_embed_dim is not None else {"ffn_embed_dim": f"{side}.ffn_embed_dim"})
         self.ffn_embed_dim = ffn
         self.normalize_before = side_cfg.normalize_before
 
@@ -342,7 +324,7 @@ class TIMLayerBase(nn.Module):
         if mechanism_attention:
             self.mechanism_attn = InterMechanismAttention(
                 d, mechanism_attention_heads, cfg.attention_dropout, num_mechanisms=n,
-                head_dim=mechanism_attention_head_dim, projection=mechanism_attention_projection,
+                head_dim=mechanism_attention_head_dim,
             )
             self.mechanism_attn_layer_norm = GroupLayerNorm(n, d)
         else:
@@ -377,17 +359,36 @@ class TIMLayerBase(nn.Module):
         scaled = update.view(length, bsz, self.num_mechanisms, self.mechanism_dim) * c.unsqueeze(-1)
         return scaled.view(length, bsz, self.embed_dim)
 
+    def attention_sublayer(
+        self,
+        x: Tensor,
+        layer_norm: nn.Module,
+        attend: Callable[[Tensor], Tuple[Tensor, Optional[Tensor]]],
+        c: Optional[Tensor] = None,
+        compete: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """One residual attention sub-layer, h = norm(h + dropout(c * attend(h))) (step 2; with
+        c = None and the inter-mechanism attention, step 3), the norm placed where fairseq places
+        it (pre-norm: before ``attend``, the residual from the un-normalised h).
+
+        ``compete`` computes c (step 1) from the sub-layer's input, normalised under pre-norm,
+        in place of the given one. Returns (h, the attention weights ``attend`` gave, c)."""
+        residual = x
+        if self.normalize_before:
+            x = layer_norm(x)
+        if compete:
+            c = self.compete(x)
+        update, weights = attend(x)
+        x = residual + self.dropout_module(self.scale_by_competition(update, c))
+        if not self.normalize_before:
+            x = layer_norm(x)
+        return x, weights, c
+
     def communicate(self, x: Tensor) -> Tensor:
         """Step 3: residual inter-mechanism attention (identity when switched off)."""
         if self.mechanism_attn is None:
             return x
-        residual = x
-        if self.normalize_before:
-            x = self.mechanism_attn_layer_norm(x)
-        x = self.dropout_module(self.mechanism_attn(x))
-        x = residual + x
-        if not self.normalize_before:
-            x = self.mechanism_attn_layer_norm(x)
+        x, _, _ = self.attention_sublayer(x, self.mechanism_attn_layer_norm, lambda h: (self.mechanism_attn(h), None))
         return x
 
     def feed_forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
@@ -406,30 +407,7 @@ class TIMLayerBase(nn.Module):
         return x, fc_result
 
     def upgrade_state_dict_named(self, state_dict, name):
-        """TIM checkpoints need no renaming; a state dict whose inter-mechanism attention has the
-        other projection form than this layer (``nn.Linear`` weights are 2-D, ``GroupLinear``
-        weights 3-D) is refused with the flags that build the matching model.
-
-        Checkpoints whose args predate the projection flag are built with the shared form by
-        the architecture functions (``models/tim_transformer.py``); this check catches the
-        remaining case, a new command line resuming or fine-tuning from such a checkpoint."""
-        key = f"{name}.mechanism_attn.q_proj.weight" if name else "mechanism_attn.q_proj.weight"
-        if self.mechanism_attn is None or key not in state_dict:
-            return
-        stored = state_dict[key]
-        ours = self.mechanism_attn.q_proj.weight
-        if stored.dim() != ours.dim():
-            form = "shared" if stored.dim() == 2 else "per-mechanism"
-            width = stored.size(0) if stored.dim() == 2 else stored.size(-1)
-            hint = f"--tim-mechanism-attention-projection {form}"
-            if form == "shared" and width == self.mechanism_dim:
-                hint += " --tim-mechanism-attention-head-dim 0"
-            raise ValueError(
-                f"{name}: the checkpoint's inter-mechanism attention is the {form} form "
-                f"(q_proj.weight {tuple(stored.shape)}), this model's the {self.mechanism_attn.projection} "
-                f"form ({tuple(ours.shape)}); build the model with {hint} (checkpoints trained before "
-                "the per-mechanism form existed use the shared form with d_K = d_m / H_c)"
-            )
+        """fairseq's encoder and decoder call this on every layer; TIM weights need no renaming."""
 
     def extra_repr(self) -> str:
         return (
@@ -457,14 +435,13 @@ class TIMEncoderLayer(TIMLayerBase):
         ffn_embed_dim: Optional[int] = None,
         return_fc: bool = False,
         mechanism_attention_head_dim: Optional[int] = 32,
-        mechanism_attention_projection: str = "per-mechanism",
     ):
         super().__init__()
         self.cfg = cfg
         self.return_fc = return_fc
         self._build_common(
             cfg, cfg.encoder, num_mechanisms, mechanism_attention_heads, competition, mechanism_attention,
-            ffn_embed_dim, mechanism_attention_head_dim, mechanism_attention_projection,
+            ffn_embed_dim, mechanism_attention_head_dim,
         )
 
     def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
@@ -472,23 +449,14 @@ class TIMEncoderLayer(TIMLayerBase):
             # as fairseq: a large finite value rather than -inf (no NaN for fully masked rows)
             attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
 
-        residual = x
-        if self.normalize_before:
-            x = self.self_attn_layer_norm(x)
-        c = self.compete(x)
-        x, _ = self.self_attn(
-            query=x,
-            key=x,
-            value=x,
-            key_padding_mask=encoder_padding_mask,
-            need_weights=False,
-            attn_mask=attn_mask,
+        x, _, _ = self.attention_sublayer(
+            x,
+            self.self_attn_layer_norm,
+            lambda h: self.self_attn(
+                query=h, key=h, value=h, key_padding_mask=encoder_padding_mask, need_weights=False, attn_mask=attn_mask
+            ),
+            compete=True,
         )
-        x = self.dropout_module(self.scale_by_competition(x, c))
-        x = residual + x
-        if not self.normalize_before:
-            x = self.self_attn_layer_norm(x)
-
         x = self.communicate(x)
         x, fc_result = self.feed_forward(x)
 
@@ -518,16 +486,14 @@ class TIMDecoderLayer(TIMLayerBase):
         mechanism_attention: bool = True,
         ffn_embed_dim: Optional[int] = None,
         mechanism_attention_head_dim: Optional[int] = 32,
-        mechanism_attention_projection: str = "per-mechanism",
     ):
         super().__init__()
-        if cfg.cross_self_attention:
-            raise ValueError("TIM decoder layers do not support --cross-self-attention")
+        check_fairseq_options(cross_self_attention=cfg.cross_self_attention)
         self.no_encoder_attn = no_encoder_attn
         self.cross_self_attention = False
         self._build_common(
             cfg, cfg.decoder, num_mechanisms, mechanism_attention_heads, competition, mechanism_attention,
-            ffn_embed_dim, mechanism_attention_head_dim, mechanism_attention_projection,
+            ffn_embed_dim, mechanism_attention_head_dim,
         )
         self.need_attn = True
         self.onnx_trace = False
@@ -579,49 +545,35 @@ class TIMDecoderLayer(TIMLayerBase):
         if need_head_weights:
             need_attn = True
 
-        residual = x
-        if self.normalize_before:
-            x = self.self_attn_layer_norm(x)
-        # one competition per layer and position, from the layer input (Algorithm 1, step 1);
-        # it scales both attention updates (see the module docstring)
-        c = self.compete(x)
         if prev_self_attn_state is not None:
             self._restore_state(self.self_attn, incremental_state, prev_self_attn_state)
-        x, _ = self.self_attn(
-            query=x,
-            key=x,
-            value=x,
-            key_padding_mask=self_attn_padding_mask,
-            incremental_state=incremental_state,
-            need_weights=False,
-            attn_mask=self_attn_mask,
+        # one competition per layer and position, from the layer input (Algorithm 1, step 1);
+        # it scales both attention updates (see the module docstring)
+        x, _, c = self.attention_sublayer(
+            x,
+            self.self_attn_layer_norm,
+            lambda h: self.self_attn(
+                query=h, key=h, value=h, key_padding_mask=self_attn_padding_mask,
+                incremental_state=incremental_state, need_weights=False, attn_mask=self_attn_mask,
+            ),
+            compete=True,
         )
-        x = self.dropout_module(self.scale_by_competition(x, c))
-        x = residual + x
-        if not self.normalize_before:
-            x = self.self_attn_layer_norm(x)
 
         attn: Optional[Tensor] = None
         if self.encoder_attn is not None and encoder_out is not None:
-            residual = x
-            if self.normalize_before:
-                x = self.encoder_attn_layer_norm(x)
             if prev_attn_state is not None:
                 self._restore_state(self.encoder_attn, incremental_state, prev_attn_state)
-            x, attn = self.encoder_attn(
-                query=x,
-                key=encoder_out,
-                value=encoder_out,
-                key_padding_mask=encoder_padding_mask,
-                incremental_state=incremental_state,
-                static_kv=True,
-                need_weights=need_attn or (not self.training and self.need_attn),
-                need_head_weights=need_head_weights,
+            x, attn, _ = self.attention_sublayer(
+                x,
+                self.encoder_attn_layer_norm,
+                lambda h: self.encoder_attn(
+                    query=h, key=encoder_out, value=encoder_out, key_padding_mask=encoder_padding_mask,
+                    incremental_state=incremental_state, static_kv=True,
+                    need_weights=need_attn or (not self.training and self.need_attn),
+                    need_head_weights=need_head_weights,
+                ),
+                c,
             )
-            x = self.dropout_module(self.scale_by_competition(x, c))
-            x = residual + x
-            if not self.normalize_before:
-                x = self.encoder_attn_layer_norm(x)
 
         x = self.communicate(x)
         x, _ = self.feed_forward(x)

@@ -1,12 +1,13 @@
 """Small builders shared by the attention tests (DMA, talking heads, TIM): fairseq's masks, a
-randomised DMA module, the naive GMM posterior, inputs of the MI bounds, and step-by-step
-decoding with a beam reorder.
+randomised DMA module and a small DMA model, the naive GMM posterior, inputs of the MI bounds,
+and step-by-step decoding with a beam reorder, checked against the full forward.
 
 Like ``cli_checks.py`` and ``beam_search_checks.py`` this is no test file; the tests import it
 as they import ``conftest`` (tests/ has no ``__init__.py``, so pytest puts it on ``sys.path``).
 """
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -66,6 +67,26 @@ def make_dma(seed=0, *, embed_dim=16, heads=2, clusters=3, num_updates=0,
     return m
 
 
+#: a 2 + 2-layer dma_transformer of make_dma's width (16) and heads (2) with 3 clusters and dropout
+SMALL_DMA_MODEL = [
+    "--source-lang", "de", "--target-lang", "en", "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+    "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--dma-clusters", "3", "--dropout", "0.1", "--attention-dropout", "0.1",
+]
+
+
+def small_dma_model(tiny_model, *flags, seed=0):
+    """``tiny_model`` (conftest's fixture) of SMALL_DMA_MODEL and FLAGS, its mixture weights
+    drawn at random (uniform ones would hide errors in them): (model, dictionary, task, args)."""
+    built = tiny_model("dma_transformer", *SMALL_DMA_MODEL, *flags, seed=seed)
+    with torch.no_grad():
+        for m in built.model.dma_modules():
+            m.token_gmm.logits.normal_()
+            m.query_gmm.logits.normal_()
+    return built
+
+
 # ----------------------------------------------------------------------------- references
 def naive_posterior(z, gmm):
     """p(c | z) by explicit broadcasting over (..., G, N, C, d) and explicit exp / sum
@@ -112,3 +133,35 @@ def decode_incrementally(model, encoder_out, prev_ref, prev_first, t0, new_order
             encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
             model.decoder.reorder_incremental_state_scripting(inc, new_order)
     return outs, attns
+
+
+def check_incremental_decoding(model, dictionary):
+    """A fairseq encoder-decoder MODEL (in eval mode) decodes step by step as in one full forward,
+    outputs and alignments alike, through a beam reorder after step 2 (with a duplicated beam).
+
+    Two left-padded sentences of 6 random tokens, 2 beams each (the encoder output expanded to
+    the beams as fairseq's SequenceGenerator does), 5 decoder steps; ``decode_incrementally``
+    reads the tokens before the reorder in the beams' old order. Returns the
+    ``SimpleNamespace(encoder_out, prev, prev_ref, t0, full)`` of the check, for more checks on it.
+    """
+    n_sent, beam, steps, t0 = 2, 2, 5, 2
+    torch.manual_seed(1)
+    src = torch.randint(4, len(dictionary), (n_sent, 6))
+    src[1, :2] = dictionary.pad()  # left-padded source (fairseq's default)
+    prev = torch.randint(4, len(dictionary), (n_sent * beam, steps))
+    prev[:, 0] = dictionary.eos()
+    new_order = torch.tensor([1, 1, 3, 2])  # within each sentence's beams, with a duplicate
+    prev_ref = prev.clone()
+    prev_ref[:, : t0 + 1] = prev[new_order, : t0 + 1]
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=torch.tensor([6, 4]))
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, torch.arange(n_sent).repeat_interleave(beam))
+        full, full_extra = model.decoder(prev_ref, encoder_out=encoder_out)
+        outs, attns = decode_incrementally(model, encoder_out, prev_ref, prev, t0, new_order)
+    assert full_extra["attn"][0] is not None
+    for t in range(steps):
+        got = outs[t][new_order] if t <= t0 else outs[t]
+        attn = attns[t][new_order] if t <= t0 else attns[t]
+        torch.testing.assert_close(got, full[:, t : t + 1], rtol=1e-4, atol=1e-5, msg=f"step {t}")
+        torch.testing.assert_close(attn, full_extra["attn"][0][:, t : t + 1], rtol=1e-4, atol=1e-5)
+    return SimpleNamespace(encoder_out=encoder_out, prev=prev, prev_ref=prev_ref, t0=t0, full=full)

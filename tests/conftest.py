@@ -207,3 +207,12 @@ def tiny_checkpoints(multi30k_bin, tmp_path_factory):
                  "--save-dir", save])
         paths[family] = save / "checkpoint_last.pt"
     return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory of small models built as fairseq-train builds them: ``tiny_model(arch, *flags,
+    dictionary=20, seed=0)`` -> (model, dictionary, task, args), see tests/tiny_models.py."""
+    from tiny_models import tiny_model as build
+
+    return build

@@ -7,12 +7,13 @@
 ``batches`` yields training batches epoch after epoch, in fairseq-train's order.
 """
 
-from fairseq import options, tasks, utils
+from fairseq import tasks, utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.trainer import Trainer
 
 import tiers
 from conftest import tiny_train_args
+from tiny_models import parse_training_command
 
 # a later --arch overrides the tiny transformer's
 TALKING_HEADS = ["--arch", "talking_heads_transformer_iwslt_de_en", "--th-attention", "enc_self,dec_self,enc_dec"]
@@ -29,8 +30,8 @@ def train_args(family):
 @tiers.trains
 def build_trainer(data, family, save_dir, *extra):
     """fairseq's Trainer of FAMILY's tiny model (flags EXTRA appended), seeded as fairseq-train seeds."""
-    argv = [str(a) for a in (data, *train_args(family), *extra, "--save-dir", save_dir)]
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), input_args=argv))
+    args = parse_training_command([data, *train_args(family), *extra, "--save-dir", save_dir])
+    cfg = convert_namespace_to_omegaconf(args)
     utils.set_torch_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)

@@ -4,12 +4,10 @@ import argparse
 
 import pytest
 import torch
-from fairseq import options
-from fairseq.data import Dictionary
-from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 import fairseq_modattn  # noqa: F401
 from fairseq_modattn.modules import DisentangledMaskAttention
+from tiny_models import model_args
 
 # arch: (embed, ffn, heads, n_c, c_qq, c_xq, c_grad)
 TABLE5 = {
@@ -22,16 +20,10 @@ TABLE5 = {
 }
 
 
-def parse(arch, *extra):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, ["/nonexistent", "--arch", arch, "--task", "translation", *extra])
-    return args
-
-
 @pytest.mark.parametrize("arch", sorted(TABLE5))
 def test_paper_configuration(arch):
     embed, ffn, heads, clusters, c_qq, c_xq, c_grad = TABLE5[arch]
-    args = parse(arch)
+    args = model_args(arch)
     for side in ("encoder", "decoder"):
         assert getattr(args, f"{side}_embed_dim") == embed
         assert getattr(args, f"{side}_ffn_embed_dim") == ffn
@@ -44,7 +36,7 @@ def test_paper_configuration(arch):
 
 
 def test_command_line_overrides_architecture_defaults():
-    args = parse("dma_transformer_iwslt_de_en", "--dma-clusters", "12", "--dma-qq-weight", "3",
+    args = model_args("dma_transformer_iwslt_de_en", "--dma-clusters", "12", "--dma-qq-weight", "3",
                  "--dma-kl-weight", "0.5", "--encoder-embed-dim", "256", "--dma-decoder-mask-at-inference")
     assert (args.dma_clusters, args.dma_qq_weight, args.dma_kl_weight, args.encoder_embed_dim) == (12, 3, 0.5, 256)
     assert args.dma_decoder_mask_at_inference is True
@@ -66,22 +58,22 @@ def test_every_dma_flag_has_help_text():
     assert all(actions[f].help for f in actions if f.startswith("--dma-"))
 
 
-def tiny_task():
-    vocab = Dictionary()
-    for i in range(20):
-        vocab.add_symbol(f"w{i}")
-    return TranslationTask(TranslationConfig(), vocab, vocab)
+#: one layer each side, width 32 (test_dma_compiled builds with them too)
+SMALL = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+         "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32"]
 
 
-def build(*extra, arch="dma_transformer_iwslt_de_en_tiny"):
-    args = parse(arch, "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
-                 "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-                 *extra)
-    task = tiny_task()
-    return task.build_model(args), args
+@pytest.fixture
+def build(tiny_model):
+    """build(*flags, arch=...) -> (model, args) of a SMALL model of ARCH."""
+    def build(*extra, arch="dma_transformer_iwslt_de_en_tiny"):
+        built = tiny_model(arch, *SMALL, *extra)
+        return built.model, built.args
+
+    return build
 
 
-def test_built_model_uses_dma_where_asked_and_exact_cluster_count():
+def test_built_model_uses_dma_where_asked_and_exact_cluster_count(build):
     model, _ = build("--dma-clusters", "5", "--dma-attention", "enc_self,enc_dec")
     assert isinstance(model.encoder.layers[0].self_attn, DisentangledMaskAttention)
     assert not isinstance(model.decoder.layers[0].self_attn, DisentangledMaskAttention)
@@ -90,7 +82,7 @@ def test_built_model_uses_dma_where_asked_and_exact_cluster_count():
     assert attn.token_gmm.means.shape == (4, 5, 8) and attn.query_gmm.means.shape == (1, 5, 8)
 
 
-def test_gamma_follows_set_num_updates_not_a_saved_parameter():
+def test_gamma_follows_set_num_updates_not_a_saved_parameter(build):
     model, _ = build("--dma-alpha", "0.6")
     attn = model.encoder.layers[0].self_attn
     model.set_num_updates(0)
@@ -113,24 +105,21 @@ def test_gamma_follows_set_num_updates_not_a_saved_parameter():
         (("--dma-attention", "enc_self,bogus"), "--dma-attention"),
     ],
 )
-def test_bad_configuration_names_the_flag(flags, message):
+def test_bad_configuration_names_the_flag(flags, message, build):
     with pytest.raises(ValueError, match=message):
         build(*flags)
 
 
-def test_checkpoint_of_another_architecture_is_refused_clearly():
+def test_checkpoint_of_another_architecture_is_refused_clearly(build):
     dma, _ = build()
-    args = parse("transformer_iwslt_de_en", "--encoder-layers", "1", "--decoder-layers", "1",
-                 "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "32",
-                 "--decoder-ffn-embed-dim", "32")
-    plain = tiny_task().build_model(args)
+    plain, _ = build(arch="transformer_iwslt_de_en")
     with pytest.raises(RuntimeError, match="--arch"):
         dma.load_state_dict(plain.state_dict())
     # and the DMA model's own state dict round-trips
     dma.load_state_dict(dma.state_dict())
 
 
-def test_forward_reports_aux_losses_and_weights():
+def test_forward_reports_aux_losses_and_weights(build):
     model, _ = build()
     src = torch.randint(4, 20, (3, 6))
     prev = torch.randint(4, 20, (3, 5))

@@ -18,25 +18,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from fairseq import options
-from fairseq.data import Dictionary
 from fairseq.logging import metrics
-from fairseq.tasks.translation import TranslationTask
 
 import fairseq_modattn  # noqa: F401  (registers the criterion and the models)
 from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import (
     LabelSmoothedCrossEntropyWithAuxCriterion,
 )
+from tiny_models import tiny_dictionary
 
 EPS = 0.1
 FAIRSEQ_KEYS = {"loss", "nll_loss", "ppl", "ce_loss"}
-
-
-def dictionary(size=12):
-    d = Dictionary()
-    for i in range(size):
-        d.add_symbol(f"w{i}")
-    return d
 
 
 def hand_ce(lprobs, target, pad):
@@ -88,7 +79,7 @@ WEIGHTS = {"first": 0.5, "second": 3.0, "third": -2.0}
 
 
 def scripted_case(with_aux, reduction="mean", seed=0):
-    d = dictionary()
+    d = tiny_dictionary(12)
     g = torch.Generator().manual_seed(seed)
     target = torch.randint(d.nspecial, len(d), (2, 4), generator=g)
     target[1, 2:] = d.pad()
@@ -160,14 +151,16 @@ TINY = [
 ]
 
 
-def real_case(arch, *extra):
-    d = dictionary(20)
-    args = options.parse_args_and_arch(
-        options.get_training_parser(), ["/nonexistent", "--arch", arch, "--task", "translation", *TINY, *extra]
-    )
-    task = TranslationTask(args, d, d)
-    torch.manual_seed(0)
-    model = task.build_model(args).eval()  # eval: the same forward in the criterion and here
+@pytest.fixture
+def real_case(tiny_model):
+    """real_case(arch, *flags) -> (model, sample, task): a TINY model of ARCH in eval mode and a
+    batch of two sentences."""
+    return lambda arch, *extra: _real_case(tiny_model(arch, *TINY, *extra))
+
+
+def _real_case(built):
+    model, d, task, _ = built
+    model.eval()  # eval: the same forward in the criterion and here
     if hasattr(model, "set_num_updates"):
         model.set_num_updates(1500)
     pad, eos = d.pad(), d.eos()
@@ -183,7 +176,7 @@ def real_case(arch, *extra):
 
 
 @pytest.mark.parametrize("reduction", ["sentence", "token"])
-def test_dma_total_is_ce_plus_its_weighted_regularisers(reduction):
+def test_dma_total_is_ce_plus_its_weighted_regularisers(reduction, real_case):
     model, sample, task = real_case(
         "dma_transformer", "--dma-clusters", "3", "--dma-loss-reduction", reduction,
         "--dma-kl-weight", "0.5", "--dma-qq-weight", "3", "--dma-xq-weight", "2", "--dma-div-weight", "0.25",
@@ -205,7 +198,7 @@ def test_dma_total_is_ce_plus_its_weighted_regularisers(reduction):
     assert logged["gamma"] == pytest.approx(1 - math.exp(-5e-4 * 1500), abs=1e-4)
 
 
-def test_transformer_total_is_the_cross_entropy_and_logs_no_aux_keys():
+def test_transformer_total_is_the_cross_entropy_and_logs_no_aux_keys(real_case):
     model, sample, task = real_case("transformer_iwslt_de_en")
     crit = LabelSmoothedCrossEntropyWithAuxCriterion(task, sentence_avg=False, label_smoothing=EPS)
     with torch.no_grad():

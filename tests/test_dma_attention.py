@@ -6,12 +6,9 @@ import math
 
 import pytest
 import torch
-from fairseq import options
-from fairseq.data import Dictionary
 from fairseq.modules import MultiheadAttention
-from fairseq.tasks.translation import TranslationTask
 
-from attention_helpers import causal_mask, decode_incrementally, make_dma, padding
+from attention_helpers import check_incremental_decoding, causal_mask, make_dma, padding, small_dma_model
 from beam_search_checks import check_beam_shared_keys_are_exact
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
@@ -303,31 +300,14 @@ def test_incremental_cache_holds_projected_keys_growing_by_one():
 
 
 # ----------------------------------------------------------------------------- model level
-def build_model(*extra, seed=0):
-    dictionary = Dictionary()
-    for i in range(20):
-        dictionary.add_symbol(f"w{i}")
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        "unused", "--task", "translation", "--arch", "dma_transformer", "--source-lang", "de",
-        "--target-lang", "en", "--encoder-layers", "2", "--decoder-layers", "2",
-        "--encoder-embed-dim", str(EMBED), "--decoder-embed-dim", str(EMBED),
-        "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-        "--encoder-attention-heads", str(HEADS), "--decoder-attention-heads", str(HEADS),
-        "--dma-clusters", "3", "--dropout", "0.1", "--attention-dropout", "0.1", *extra,
-    ])
-    task = TranslationTask(args, dictionary, dictionary)
-    torch.manual_seed(seed)
-    model = task.build_model(args)
-    with torch.no_grad():
-        for m in model.dma_modules():
-            m.token_gmm.logits.normal_()
-            m.query_gmm.logits.normal_()
-    return model, dictionary
+@pytest.fixture
+def build_model(tiny_model):
+    """build_model(*flags) -> (model, dictionary): attention_helpers.small_dma_model."""
+    return lambda *extra, seed=0: small_dma_model(tiny_model, *extra, seed=seed)[:2]
 
 
 @pytest.mark.parametrize("mask_at_inference", [False, True])
-def test_model_incremental_decoding_matches_full_forward(mask_at_inference):
+def test_model_incremental_decoding_matches_full_forward(mask_at_inference, build_model):
     extra = ["--dma-decoder-mask-at-inference"] if mask_at_inference else []
     model, dictionary = build_model(*extra)
     model.set_num_updates(3000)
@@ -338,39 +318,16 @@ def test_model_incremental_decoding_matches_full_forward(mask_at_inference):
     assert model.decoder.layers[0].encoder_attn.gamma > 0
     assert model.encoder.layers[0].self_attn.gamma > 0
 
-    n_sent, beam, steps, t0 = 2, 2, 5, 2
-    bsz = n_sent * beam
-    pad = dictionary.pad()
-    torch.manual_seed(1)
-    src = torch.randint(4, len(dictionary), (n_sent, 6))
-    src[1, :2] = pad  # left-padded source (fairseq's default)
-    src_lengths = torch.tensor([6, 4])
-    prev = torch.randint(4, len(dictionary), (bsz, steps))
-    prev[:, 0] = dictionary.eos()
-    new_order = torch.tensor([1, 1, 3, 2])  # within each sentence's beams, with a duplicate
-    prev_ref = prev.clone()
-    prev_ref[:, : t0 + 1] = prev[new_order, : t0 + 1]
-
-    with torch.no_grad():
-        encoder_out = model.encoder(src, src_lengths=src_lengths)
-        # expand to the beams like fairseq's SequenceGenerator
-        encoder_out = model.encoder.reorder_encoder_out(encoder_out, torch.arange(n_sent).repeat_interleave(beam))
-        full, full_extra = model.decoder(prev_ref, encoder_out=encoder_out)
-        outs, attns = decode_incrementally(model, encoder_out, prev_ref, prev, t0, new_order)
-    for t in range(steps):
-        got = outs[t][new_order] if t <= t0 else outs[t]
-        attn = attns[t][new_order] if t <= t0 else attns[t]
-        torch.testing.assert_close(got, full[:, t : t + 1], rtol=1e-4, atol=1e-5, msg=f"step {t}")
-        torch.testing.assert_close(attn, full_extra["attn"][0][:, t : t + 1], rtol=1e-4, atol=1e-5)
+    run = check_incremental_decoding(model, dictionary)
 
     # the decoder self-attention flag matters: the other setting gives different outputs
     dec_self.mask_at_inference = not mask_at_inference
     with torch.no_grad():
-        other, _ = model.decoder(prev_ref, encoder_out=encoder_out)
-    assert not torch.allclose(other, full, atol=1e-4)
+        other, _ = model.decoder(run.prev_ref, encoder_out=run.encoder_out)
+    assert not torch.allclose(other, run.full, atol=1e-4)
 
 
-def test_model_forward_collects_finite_aux_losses_and_gamma():
+def test_model_forward_collects_finite_aux_losses_and_gamma(build_model):
     model, dictionary = build_model()
     model.set_num_updates(1000)
     model.train()
@@ -415,14 +372,14 @@ def test_embed_dim_not_divisible_by_heads():
         DisentangledMaskAttention(30, 4, self_attention=True)
 
 
-def test_too_few_clusters():
+def test_too_few_clusters(build_model):
     with pytest.raises(ValueError, match="num_clusters must be >= 1"):
         DisentangledMaskAttention(16, 2, self_attention=True, num_clusters=0)
     with pytest.raises(ValueError, match="--dma-clusters"):
         build_model("--dma-clusters", "0")
 
 
-def test_beam_search_shares_encoder_keys_among_beams_exactly():
+def test_beam_search_shares_encoder_keys_among_beams_exactly(build_model):
     """fairseq's SequenceGenerator: one cached copy of each sentence's encoder keys and key
     posteriors for its beams gives the hypotheses and scores of one copy per beam."""
     model, dictionary = build_model()

@@ -279,13 +279,13 @@ def test_aux_names_follow_the_module():
 
 
 # ----------------------------------------------------------------------------- the flag
-def test_flag_is_off_by_default_and_reaches_every_module():
-    from test_architectures import build as build_model
+def test_flag_is_off_by_default_and_reaches_every_module(tiny_model):
+    from test_architectures import SMALL
 
-    model, args = build_model()
+    model, _, _, args = tiny_model("dma_transformer_iwslt_de_en_tiny", *SMALL)
     assert args.dma_compile is False
     assert not any(m.compile_math for m in model.dma_modules())
-    model, args = build_model("--dma-compile")
+    model, _, _, args = tiny_model("dma_transformer_iwslt_de_en_tiny", *SMALL, "--dma-compile")
     assert args.dma_compile is True
     assert model.dma_modules() and all(m.compile_math for m in model.dma_modules())
 

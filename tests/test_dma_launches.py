@@ -12,13 +12,11 @@ adds launches to DMA's step fails here and says by how much.
 
 import pytest
 import torch
-from fairseq import criterions, models, options
-from fairseq.data import Dictionary
 from fairseq.sequence_generator import SequenceGenerator
-from fairseq.tasks.translation import TranslationTask
 
 import fairseq_modattn  # noqa: F401  (registers the architectures and the criterion)
 from fairseq_modattn.modules import device_paths
+from tiny_models import tiny_dictionary
 
 WIDTH = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
          "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128"]
@@ -39,26 +37,17 @@ def count_kernel_calls(kernel_calls):
     return kernel_calls.count_kernel_calls
 
 
-def dictionary(size=200):
-    d = Dictionary()
-    for i in range(size):
-        d.add_symbol(f"w{i}")
-    d.finalize(padding_factor=1)
-    return d
+@pytest.fixture(scope="module")
+def build(tiny_model, vocabulary):
+    """build(arch, criterion, *flags) -> (model, criterion, task) over the module's vocabulary."""
+    def build(arch, criterion, *extra):
+        built = tiny_model(arch, "-s", "src", "-t", "tgt", "--criterion", criterion, "--label-smoothing", "0.1",
+                           "--seed", "1", *WIDTH, *extra, dictionary=vocabulary, seed=1)
+        if hasattr(built.model, "dma_modules"):
+            built.model.set_num_updates(4000)  # gamma > 0: the mask path runs
+        return built.model, built.criterion(), built.task
 
-
-def build(arch, criterion, d, *extra):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, input_args=[
-        "data-bin", "--task", "translation", "-s", "src", "-t", "tgt", "--arch", arch,
-        "--criterion", criterion, "--label-smoothing", "0.1", "--seed", "1", *WIDTH, *extra,
-    ])
-    task = TranslationTask(args, d, d)
-    torch.manual_seed(1)
-    model = models.build_model(args, task)
-    if hasattr(model, "dma_modules"):
-        model.set_num_updates(4000)  # gamma > 0: the mask path runs
-    return model, criterions.build_criterion(args, task), task
+    return build
 
 
 def sample(d, length, bsz=4):
@@ -88,20 +77,20 @@ def step_calls(count, model, criterion, batch):
 
 @pytest.fixture(scope="module")
 def vocabulary():
-    return dictionary()
+    return tiny_dictionary(200, padding_factor=1)
 
 
 @pytest.fixture(scope="module")
-def transformer_step(count_kernel_calls, vocabulary):
-    model, criterion, _ = build(*TRANSFORMER, vocabulary)
+def transformer_step(count_kernel_calls, vocabulary, build):
+    model, criterion, _ = build(*TRANSFORMER)
     return step_calls(count_kernel_calls, model, criterion, sample(vocabulary, 8))
 
 
 @pytest.mark.parametrize("objective, bound", [("authors", STEP_RATIO_BOUND), ("paper", PAPER_STEP_RATIO_BOUND)])
 def test_training_step_launches_within_bound_and_flat_in_length(
-    count_kernel_calls, vocabulary, transformer_step, objective, bound
+    count_kernel_calls, vocabulary, transformer_step, objective, bound, build
 ):
-    model, criterion, _ = build(*DMA, vocabulary, "--dma-objective", objective)
+    model, criterion, _ = build(*DMA, "--dma-objective", objective)
     short = step_calls(count_kernel_calls, model, criterion, sample(vocabulary, 8))
     long = step_calls(count_kernel_calls, model, criterion, sample(vocabulary, 32))
     assert long == short, f"DMA's launches grow with length on the GPU path: {short} at L=8, {long} at L=32"
@@ -110,10 +99,10 @@ def test_training_step_launches_within_bound_and_flat_in_length(
     assert ratio <= bound, f"DMA step: {short} launches = {ratio:.2f} x the transformer's {transformer_step}"
 
 
-def test_decoding_step_launches_within_bound(count_kernel_calls, vocabulary):
+def test_decoding_step_launches_within_bound(count_kernel_calls, vocabulary, build):
     per_step = {}
     for name, (arch, criterion_name) in (("transformer", TRANSFORMER), ("dma", DMA)):
-        model, _, task = build(arch, criterion_name, vocabulary)
+        model, _, task = build(arch, criterion_name)
         model.eval()
         if name == "transformer":  # fairseq's own beam-shared encoder keys, as the plugin's models use
             for m in model.modules():

@@ -9,12 +9,10 @@ import math
 
 import pytest
 import torch
-from fairseq import options
-from fairseq.data import Dictionary
-from fairseq.tasks.translation import TranslationTask
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
-from attention_helpers import DOUBLE, loss_inputs, make_dma, naive_posterior, padding, real_tokens
+from attention_helpers import DOUBLE, loss_inputs, make_dma, naive_posterior, padding, real_tokens, small_dma_model
+from tiny_models import model_args
 from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import (
     LabelSmoothedCrossEntropyWithAuxCriterion,
 )
@@ -318,13 +316,8 @@ def test_encoder_decoder_sample_reaches_keys_not_values_and_nothing_at_inference
 
 
 # ----------------------------------------------------------------------------- presets
-def parse(*argv):
-    parser = options.get_training_parser()
-    return options.parse_args_and_arch(parser, ["unused", "--task", "translation", *argv])
-
-
 def test_named_architectures_default_to_the_authors_objective_with_table_5_weights():
-    args = parse("--arch", "dma_transformer_iwslt_de_en_tiny")
+    args = model_args("dma_transformer_iwslt_de_en_tiny")
     for name, value in OBJECTIVES["authors"].items():
         assert getattr(args, name) == value, name
     assert (args.dma_qq_weight, args.dma_xq_weight, args.dma_kl_weight, args.dma_div_weight) == (50.0, 5.0, 0.01, 1.0)
@@ -333,13 +326,13 @@ def test_named_architectures_default_to_the_authors_objective_with_table_5_weigh
 
 
 def test_paper_objective_is_one_flag_away_and_single_flags_still_override():
-    args = parse("--arch", "dma_transformer_iwslt_de_en", "--dma-objective", "paper")
+    args = model_args("dma_transformer_iwslt_de_en", "--dma-objective", "paper")
     for name, value in OBJECTIVES["paper"].items():
         assert getattr(args, name) == value, name
-    args = parse("--arch", "dma_transformer", "--dma-objective", "paper", "--dma-alpha", "0.7", "--dma-qq-form", "bounded")
+    args = model_args("dma_transformer", "--dma-objective", "paper", "--dma-alpha", "0.7", "--dma-qq-form", "bounded")
     assert (args.dma_alpha, args.dma_qq_form, args.dma_div_form) == (0.7, "bounded", "paper")
     with pytest.raises(SystemExit):
-        parse("--arch", "dma_transformer", "--dma-objective", "neither")
+        model_args("dma_transformer", "--dma-objective", "neither")
 
 
 @pytest.mark.parametrize("alias, ours, clusters", [
@@ -351,33 +344,22 @@ def test_paper_objective_is_one_flag_away_and_single_flags_still_override():
     ("disentangled_transformer_wmt_en_de_small", "dma_transformer_wmt_en_de_small", 4),
 ])
 def test_the_authors_architecture_names_are_aliases(alias, ours, clusters):
-    got, expected = vars(parse("--arch", alias)), vars(parse("--arch", ours))
+    got, expected = vars(model_args(alias)), vars(model_args(ours))
     assert got.pop("arch") == alias and expected.pop("arch") == ours
     expected["dma_clusters"] = clusters  # their base architecture defaults to 4 clusters
     assert got == expected
 
 
 # ----------------------------------------------------------------------------- reduction
-def build_model(*extra):
-    dictionary = Dictionary()
-    for i in range(20):
-        dictionary.add_symbol(f"w{i}")
-    args = parse(
-        "--arch", "dma_transformer", "--source-lang", "de", "--target-lang", "en",
-        "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", str(EMBED),
-        "--decoder-embed-dim", str(EMBED), "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-        "--encoder-attention-heads", str(HEADS), "--decoder-attention-heads", str(HEADS),
-        "--dma-clusters", "3", "--dropout", "0.1", "--attention-dropout", "0.1", *extra,
-    )
-    task = TranslationTask(args, dictionary, dictionary)
-    torch.manual_seed(0)
-    model = task.build_model(args)
-    with torch.no_grad():
-        for m in model.dma_modules():
-            m.token_gmm.logits.normal_()
-            m.query_gmm.logits.normal_()
-    model.set_num_updates(1500)
-    return model, dictionary, task
+@pytest.fixture
+def build_model(tiny_model):
+    """build_model(*flags) -> (model, dictionary, task): attention_helpers.small_dma_model at update 1500."""
+    def build(*extra):
+        model, dictionary, task, _ = small_dma_model(tiny_model, *extra)
+        model.set_num_updates(1500)
+        return model, dictionary, task
+
+    return build
 
 
 class _Reported:
@@ -386,7 +368,7 @@ class _Reported:
         self.aux_losses = {name: torch.tensor(values, dtype=DOUBLE) for name in AUX_LOSS_NAMES}
 
 
-def test_authors_reduction_by_hand():
+def test_authors_reduction_by_hand(build_model):
     """Per type the mean over its layers of the per-sentence values, summed over the two
     sentences, then summed over the types."""
     model, _, _ = build_model()
@@ -417,7 +399,7 @@ def batch(dictionary, sources, targets):
     return src, lengths, prev, tgt
 
 
-def test_sentence_sums_of_a_padded_batch_equal_the_sums_of_its_sentences():
+def test_sentence_sums_of_a_padded_batch_equal_the_sums_of_its_sentences(build_model):
     """With the authors' reduction a batch's value is the sum of its sentences' values: padding
     adds nothing, and no sentence's value depends on the other one (evaluation mode)."""
     model, dictionary, _ = build_model()
@@ -436,7 +418,7 @@ def test_sentence_sums_of_a_padded_batch_equal_the_sums_of_its_sentences():
 
 
 @pytest.mark.parametrize("reduction", ["sentence", "token"])
-def test_criterion_total_is_ce_plus_weighted_aux(reduction):
+def test_criterion_total_is_ce_plus_weighted_aux(reduction, build_model):
     """L = CE_sum + sum_k w_k aux_k (the authors' sums) or CE_sum + sum_k w_k aux_k * ntokens
     (per-token means), with w_dxq = -c_xq."""
     model, dictionary, task = build_model("--dma-loss-reduction", reduction, "--dma-kl-weight", "0.5",
@@ -458,7 +440,7 @@ def test_criterion_total_is_ce_plus_weighted_aux(reduction):
     assert logging["dqq"].item() == pytest.approx(aux["dqq"].item() * scale)
 
 
-def test_model_class_declares_the_reduction_it_reports():
+def test_model_class_declares_the_reduction_it_reports(build_model):
     model, dictionary, _ = build_model("--dma-objective", "paper")
     model.train()
     src, lengths, prev, _ = batch(dictionary, [[5, 6, 7]], [[8, 9]])

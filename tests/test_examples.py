@@ -16,12 +16,10 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
-from fairseq import criterions, models, options
-from fairseq.data import Dictionary
-from fairseq.tasks.translation import TranslationTask
+from fairseq import options
 
 from conftest import REPO
+from tiny_models import build, parse_training_command, tiny_dictionary
 
 EXAMPLES = sorted((REPO / "examples").glob("*/README.md"))
 PLUGIN = str(REPO / "fairseq_modattn")
@@ -64,14 +62,6 @@ def commands(path: Path, launched: bool = False):
             if command is not None:
                 found.append(command if launched else command[1:])
     return found
-
-
-def synthetic_dictionary(size=100):
-    d = Dictionary()
-    for i in range(size):
-        d.add_symbol(f"w{i}")
-    d.finalize(padding_factor=8)
-    return d
 
 
 def test_every_family_has_examples():
@@ -126,13 +116,11 @@ def test_readme_analysis_commands_parse():
 
 def check_training_command(argv):
     """fairseq-train's parser accepts ARGV, and the model and criterion it names build."""
-    d = synthetic_dictionary()
-    args = options.parse_args_and_arch(options.get_training_parser(), input_args=argv)
+    args = parse_training_command(argv)
     assert args.user_dir == PLUGIN
-    task = TranslationTask(args, d, d)
-    torch.manual_seed(0)
-    model = models.build_model(args, task)
-    criterions.build_criterion(args, task)
+    built = build(args, tiny_dictionary(100, padding_factor=8))
+    built.criterion()
+    model = built.model
     assert type(model).__module__.startswith("fairseq_modattn."), (argv, type(model))
     return args
 

@@ -8,11 +8,11 @@ must be refused while fairseq parses them, in one line naming the flag.
 import argparse
 
 import pytest
-from fairseq import options
 
-from conftest import PLUGIN, fairseq_cli, run_cli, tiny_train_args
+from conftest import fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.models.dma_transformer import validate_dma_args
 from fairseq_modattn.models.flag_types import check_finite, finite_float
+from tiny_models import model_args
 
 BAD_FLAGS = [
     ("dma_transformer_iwslt_de_en_tiny", "--dma-noise-var", "nan"),
@@ -27,16 +27,10 @@ BAD_FLAGS = [
 ]
 
 
-def parse_training_args(arch, *extra):
-    parser = options.get_training_parser()
-    return options.parse_args_and_arch(
-        parser, ["/nonexistent", "--user-dir", str(PLUGIN), "--task", "translation", "--arch", arch, *extra])
-
-
 @pytest.mark.parametrize("arch,flag,value", BAD_FLAGS)
 def test_fairseq_parser_refuses_non_finite_value_naming_the_flag(arch, flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_training_args(arch, f"{flag}={value}")  # '=': argparse reads a bare '-inf' as a flag
+        model_args(arch, f"{flag}={value}")  # '=': argparse reads a bare '-inf' as a flag
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: must be a finite number, got '{value}'" in err, err
@@ -44,7 +38,7 @@ def test_fairseq_parser_refuses_non_finite_value_naming_the_flag(arch, flag, val
 
 @pytest.mark.parametrize("arch,flag,value", [(a, f, "0.25") for a, f, _ in BAD_FLAGS])
 def test_finite_values_still_parse(arch, flag, value):
-    args = parse_training_args(arch, flag, value)
+    args = model_args(arch, flag, value)
     assert getattr(args, flag[2:].replace("-", "_")) == 0.25
 
 
@@ -61,7 +55,7 @@ def test_finite_float_type():
 ])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_config_that_bypassed_argparse_is_refused_naming_the_flag(field, flag, bad):
-    args = parse_training_args("dma_transformer_iwslt_de_en_tiny")
+    args = model_args("dma_transformer_iwslt_de_en_tiny")
     validate_dma_args(args)  # the preset itself is fine
     setattr(args, field, bad)
     with pytest.raises(ValueError, match=flag):

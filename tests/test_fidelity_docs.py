@@ -5,12 +5,11 @@ and criterion (or be one of the authors' flags the document quotes)."""
 import re
 
 import pytest
-from fairseq import options
 
 from conftest import REPO
+from tiny_models import training_parser
 
 DOC = REPO / "docs" / "fidelity.md"
-PLUGIN = str(REPO / "fairseq_modattn")
 
 #: (architecture, criterion) whose parsers together define every flag this package has
 PARSERS = (
@@ -56,11 +55,7 @@ def test_named_files_exist():
 def accepted_flags():
     flags = set()
     for arch, criterion in PARSERS:
-        parser = options.get_training_parser()
-        # parse_args_and_arch adds the architecture's and the criterion's arguments to parser
-        options.parse_args_and_arch(
-            parser, input_args=["data-bin/x", "--user-dir", PLUGIN, "--arch", arch, "--criterion", criterion]
-        )
+        parser, _ = training_parser(arch, "--criterion", criterion)
         flags.update(s for s in parser._option_string_actions if s.startswith("--"))
     return flags
 

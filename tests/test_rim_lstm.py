@@ -7,14 +7,12 @@ The RIM cell's own equations are tested in the module's tests; here the model ar
 
 import pytest
 import torch
-from fairseq import models, options
-from fairseq.data import Dictionary
 from fairseq.models.lstm import LSTMDecoder
-from fairseq.tasks.translation import TranslationTask
 
 import fairseq_modattn  # noqa: F401  (registers rim_lstm)
 from fairseq_modattn.models.rim_lstm import RIMEncoder, final_state_layers
 from fairseq_modattn.modules.rim import RIMLayer
+from tiny_models import model_args
 
 # tiny sizes: n = 6, k = 4 (the architectures' defaults), d_r = 8 -> 48 encoder units
 TINY = [
@@ -24,25 +22,14 @@ TINY = [
 ]
 
 
-def dictionary(size=30):
-    d = Dictionary()
-    for i in range(size):
-        d.add_symbol(f"w{i}")
-    return d
+@pytest.fixture
+def build(tiny_model):
+    """build(*flags, arch=..., seed=0) -> (model in eval mode, dictionary of 30 words)."""
+    def build(*extra, arch="rim_lstm_iwslt_de_en", seed=0):
+        model, d, _, _ = tiny_model(arch, *TINY, *extra, dictionary=30, seed=seed)
+        return model.eval(), d
 
-
-def parse(arch, *extra):
-    return options.parse_args_and_arch(
-        options.get_training_parser(), ["/nonexistent", "--arch", arch, "--task", "translation", *extra]
-    )
-
-
-def build(*extra, arch="rim_lstm_iwslt_de_en", seed=0):
-    args = parse(arch, *TINY, *extra)
-    d = dictionary()
-    torch.manual_seed(seed)
-    model = models.build_model(args, TranslationTask(args, d, d))
-    return model.eval(), d
+    return build
 
 
 def left_pad(rows, pad, width=None):
@@ -61,7 +48,7 @@ def sentences(d, lengths, seed=1):
 
 # ---------------------------------------------------------------------------- configuration
 def test_named_architectures_defaults():
-    iwslt = parse("rim_lstm_iwslt_de_en")
+    iwslt = model_args("rim_lstm_iwslt_de_en")
     rim = {k: v for k, v in vars(iwslt).items() if k.startswith("rim_")}
     assert rim == {
         "rim_num": 6, "rim_top_k": 4, "rim_size": 100, "rim_layers": 1, "rim_bidirectional": False,
@@ -70,7 +57,7 @@ def test_named_architectures_defaults():
         "rim_no_communication": False, "rim_learned_initial_state": False, "rim_attention_dropout": 0.1,
     }
     # decoder and embeddings as fairseq's lstm_wiseman_iwslt_de_en
-    wiseman = parse("lstm_wiseman_iwslt_de_en")
+    wiseman = model_args("lstm_wiseman_iwslt_de_en")
     for key in ("encoder_embed_dim", "decoder_embed_dim", "decoder_hidden_size", "decoder_out_embed_dim",
                 "decoder_layers", "encoder_dropout_in", "encoder_dropout_out", "decoder_dropout_in",
                 "decoder_dropout_out", "decoder_attention", "dropout"):
@@ -78,13 +65,13 @@ def test_named_architectures_defaults():
     assert iwslt.encoder_embed_dim == 256 and iwslt.decoder_hidden_size == 256
     # the LSTM-encoder flags a RIM encoder replaces stay unset
     assert iwslt.encoder_hidden_size is None and iwslt.encoder_layers is None
-    base = parse("rim_lstm")
+    base = model_args("rim_lstm")
     assert (base.rim_num, base.rim_top_k, base.rim_size) == (6, 4, 100)
     assert (base.encoder_embed_dim, base.decoder_hidden_size, base.decoder_out_embed_dim) == (512, 512, 512)
 
 
 def test_command_line_overrides_architecture_defaults():
-    args = parse("rim_lstm_iwslt_de_en", "--rim-num", "8", "--rim-top-k", "3", "--rim-size", "32",
+    args = model_args("rim_lstm_iwslt_de_en", "--rim-num", "8", "--rim-top-k", "3", "--rim-size", "32",
                  "--rim-layers", "2", "--rim-bidirectional", "--rim-cell", "gru", "--rim-input-heads", "2",
                  "--rim-no-communication", "--rim-learned-initial-state", "--rim-attention-dropout", "0.2",
                  "--decoder-hidden-size", "128")
@@ -94,7 +81,7 @@ def test_command_line_overrides_architecture_defaults():
     assert args.decoder_hidden_size == 128
 
 
-def test_builds_through_fairseq_with_fairseqs_lstm_decoder():
+def test_builds_through_fairseq_with_fairseqs_lstm_decoder(build):
     model, _ = build("--rim-layers", "2", "--rim-bidirectional")
     encoder, decoder = model.encoder, model.decoder
     assert isinstance(encoder, RIMEncoder) and type(decoder) is LSTMDecoder
@@ -105,7 +92,7 @@ def test_builds_through_fairseq_with_fairseqs_lstm_decoder():
     assert decoder.encoder_hidden_proj.in_features == 96  # final states projected to 24
 
 
-def test_encoder_returns_lstm_encoders_tuple():
+def test_encoder_returns_lstm_encoders_tuple(build):
     model, d = build("--rim-layers", "2", "--decoder-layers", "3")
     src = left_pad(sentences(d, [5, 3]), d.pad())
     out, hiddens, cells, pad = model.encoder(src, torch.tensor([5, 3]))
@@ -123,7 +110,7 @@ def test_final_state_layers(rim_layers, decoder_layers, expected):
     assert final_state_layers(rim_layers, decoder_layers) == expected
 
 
-def test_gru_final_cells_are_the_final_hidden_states():
+def test_gru_final_cells_are_the_final_hidden_states(build):
     model, d = build("--rim-cell", "gru")
     src = left_pad(sentences(d, [6, 4]), d.pad())
     _, hiddens, cells, _ = model.encoder(src, torch.tensor([6, 4]))
@@ -136,7 +123,7 @@ def test_gru_final_cells_are_the_final_hidden_states():
 # ---------------------------------------------------------------------------- padding
 @pytest.mark.parametrize("flags", [(), ("--rim-bidirectional", "--rim-layers", "2"), ("--rim-cell", "gru"),
                                    ("--rim-learned-initial-state",)])
-def test_extra_left_padding_changes_nothing(flags):
+def test_extra_left_padding_changes_nothing(flags, build):
     model, d = build(*flags)
     rows = sentences(d, [7, 4, 2])
     prev = left_pad(sentences(d, [5, 5, 5], seed=3), d.pad())
@@ -160,7 +147,7 @@ def test_extra_left_padding_changes_nothing(flags):
 
 
 # ---------------------------------------------------------------------------- decoding
-def test_incremental_decoding_with_reordering_matches_full_forward():
+def test_incremental_decoding_with_reordering_matches_full_forward(build):
     model, d = build("--decoder-layers", "2", "--rim-layers", "2")
     src = left_pad(sentences(d, [6, 3, 5, 4]), d.pad())
     prev = torch.cat([torch.full((4, 1), d.eos()), torch.randint(d.nspecial, len(d), (4, 5))], dim=1)
@@ -184,7 +171,7 @@ def test_incremental_decoding_with_reordering_matches_full_forward():
     torch.testing.assert_close(torch.stack(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_beam_search_through_fairseqs_sequence_generator():
+def test_beam_search_through_fairseqs_sequence_generator(build):
     from fairseq.sequence_generator import SequenceGenerator
 
     model, d = build("--rim-bidirectional")
@@ -203,7 +190,7 @@ def test_beam_search_through_fairseqs_sequence_generator():
 # ---------------------------------------------------------------------------- activations
 @pytest.mark.parametrize("flags, k, directions", [((), 4, 1), (("--rim-top-k", "2", "--rim-bidirectional",
                                                                "--rim-layers", "2"), 2, 2)])
-def test_activation_readout_k_per_real_token_none_at_pads(flags, k, directions):
+def test_activation_readout_k_per_real_token_none_at_pads(flags, k, directions, build):
     model, d = build(*flags)
     src = left_pad(sentences(d, [6, 2, 4]), d.pad())
     with torch.no_grad():
@@ -240,11 +227,11 @@ def test_activation_readout_k_per_real_token_none_at_pads(flags, k, directions):
         (("--share-all-embeddings", "--decoder-embed-dim", "32"), "--share-all-embeddings"),
     ],
 )
-def test_bad_configuration_names_the_flag(flags, message):
+def test_bad_configuration_names_the_flag(flags, message, build):
     with pytest.raises(ValueError, match=message):
         build(*flags)
 
 
-def test_no_communication_skips_the_size_checks_it_does_not_need():
+def test_no_communication_skips_the_size_checks_it_does_not_need(build):
     model, _ = build("--rim-no-communication", "--rim-comm-heads", "3")
     assert not any(hasattr(cell, "comm_qkv") for layer in model.encoder.layers for cell in layer.cells)

@@ -4,17 +4,15 @@ incremental decoding with beam reordering, gradients, the model family and its e
 
 import pytest
 import torch
-from fairseq import options
-from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
-from fairseq.tasks.translation import TranslationTask
 
-from attention_helpers import causal_mask, padding, randomise_biases
+from attention_helpers import causal_mask, check_incremental_decoding, padding, randomise_biases
 from beam_search_checks import check_beam_shared_keys_are_exact
 import fairseq_modattn  # noqa: F401  (registers the plugin)
 from fairseq_modattn.models.talking_heads_transformer import TalkingHeadsTransformerModel
 from fairseq_modattn.modules import TalkingHeadsAttention
+from tiny_models import model_args
 
 EMBED = 24  # divisible by 2, 3, 4 and 6: h_k, h and h_v can all differ
 
@@ -246,36 +244,31 @@ def test_bf16_autocast_is_finite():
 
 
 # ----------------------------------------------------------------------------- model family
-def parse(arch, *extra):
-    parser = options.get_training_parser()
-    return options.parse_args_and_arch(parser, ["unused", "--task", "translation", "--arch", arch,
-                                                 "--source-lang", "de", "--target-lang", "en", *extra])
-
-
-def tiny_dictionary():
-    dictionary = Dictionary()
-    for i in range(20):
-        dictionary.add_symbol(f"w{i}")
-    return dictionary
-
-
-SMALL = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", str(EMBED),
+LANGS = ["--source-lang", "de", "--target-lang", "en"]
+SMALL = [*LANGS, "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", str(EMBED),
          "--decoder-embed-dim", str(EMBED), "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
          "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
 
 
-def build_model(*extra, arch="talking_heads_transformer", seed=0):
-    dictionary = tiny_dictionary()
-    args = parse(arch, *SMALL, *extra)
-    torch.manual_seed(seed)
-    model = TranslationTask(args, dictionary, dictionary).build_model(args)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, TalkingHeadsAttention):
-                for p in (m.logits_proj, m.weights_proj):
-                    if p is not None:
-                        p.add_(0.3 * torch.randn_like(p))
-    return model, dictionary
+def parse(arch, *extra):
+    return model_args(arch, *LANGS, *extra)
+
+
+@pytest.fixture
+def build_model(tiny_model):
+    """build_model(*flags, arch=..., seed=0) -> (model, dictionary) of a SMALL model, its head
+    projections moved off their initialisation."""
+    def build(*extra, arch="talking_heads_transformer", seed=0):
+        model, dictionary, _, _ = tiny_model(arch, *SMALL, *extra, seed=seed)
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, TalkingHeadsAttention):
+                    for p in (m.logits_proj, m.weights_proj):
+                        if p is not None:
+                            p.add_(0.3 * torch.randn_like(p))
+        return model, dictionary
+
+    return build
 
 
 @pytest.mark.parametrize("arch,base", [
@@ -292,18 +285,16 @@ def test_named_architectures_keep_transformer_dimensions(arch, base):
     assert not args.th_no_logits_projection and not args.th_no_weights_projection
 
 
-def test_parameter_count_is_transformer_plus_head_projections():
-    dictionary = tiny_dictionary()
+def test_parameter_count_is_transformer_plus_head_projections(tiny_model):
     counts = {}
     for arch in ("talking_heads_transformer_iwslt_de_en", "transformer_iwslt_de_en"):
-        args = parse(arch, "--encoder-embed-dim", "64", "--decoder-embed-dim", "64")
-        model = TranslationTask(args, dictionary, dictionary).build_model(args)
+        model = tiny_model(arch, *LANGS, "--encoder-embed-dim", "64", "--decoder-embed-dim", "64").model
         counts[arch] = sum(p.numel() for p in model.parameters())
     # 6 encoder self-attentions, each with a 4 x 4 logits and a 4 x 4 weights projection
     assert counts["talking_heads_transformer_iwslt_de_en"] - counts["transformer_iwslt_de_en"] == 6 * (16 + 16)
 
 
-def test_attention_types_flag_places_talking_heads():
+def test_attention_types_flag_places_talking_heads(build_model):
     model, _ = build_model("--th-attention", "dec_self,enc_dec", "--th-key-heads", "2", "--th-value-heads", "6")
     assert isinstance(model, TalkingHeadsTransformerModel)
     assert not isinstance(model.encoder.layers[0].self_attn, TalkingHeadsAttention)
@@ -316,35 +307,10 @@ def test_attention_types_flag_places_talking_heads():
     assert attn.logits_proj is None and attn.weights_proj is not None
 
 
-def test_model_incremental_decoding_matches_full_forward():
+def test_model_incremental_decoding_matches_full_forward(build_model):
     model, dictionary = build_model("--th-attention", "enc_self,dec_self,enc_dec", "--th-key-heads", "2",
                                     "--th-heads", "3", "--th-value-heads", "6")
-    model.eval()
-    n_sent, beam, steps, t0 = 2, 2, 5, 2
-    bsz = n_sent * beam
-    torch.manual_seed(1)
-    src = torch.randint(4, len(dictionary), (n_sent, 6))
-    src[1, :2] = dictionary.pad()
-    prev = torch.randint(4, len(dictionary), (bsz, steps))
-    prev[:, 0] = dictionary.eos()
-    new_order = torch.tensor([1, 1, 3, 2])
-    prev_ref = prev.clone()
-    prev_ref[:, : t0 + 1] = prev[new_order, : t0 + 1]
-    with torch.no_grad():
-        encoder_out = model.encoder(src, src_lengths=torch.tensor([6, 4]))
-        encoder_out = model.encoder.reorder_encoder_out(encoder_out, torch.arange(n_sent).repeat_interleave(beam))
-        full, full_extra = model.decoder(prev_ref, encoder_out=encoder_out)
-        inc = {}
-        for t in range(steps):
-            tokens = prev if t <= t0 else prev_ref
-            logits, extra = model.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=inc)
-            rows = new_order if t <= t0 else torch.arange(bsz)
-            torch.testing.assert_close(logits[rows], full[:, t:t + 1], rtol=1e-4, atol=1e-5, msg=f"step {t}")
-            torch.testing.assert_close(extra["attn"][0][rows], full_extra["attn"][0][:, t:t + 1],
-                                       rtol=1e-4, atol=1e-5)
-            if t == t0:
-                encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
-                model.decoder.reorder_incremental_state_scripting(inc, new_order)
+    check_incremental_decoding(model.eval(), dictionary)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -357,22 +323,20 @@ def test_model_incremental_decoding_matches_full_forward():
     (["--th-no-logits-projection", "--th-key-heads", "2"], "--th-key-heads 2.*must equal the softmax heads"),
     (["--th-no-weights-projection", "--th-value-heads", "6"], "--th-value-heads 6.*must equal the softmax heads"),
 ])
-def test_bad_configurations_fail_clearly(flags, message):
+def test_bad_configurations_fail_clearly(flags, message, build_model):
     with pytest.raises(ValueError, match=message):
         build_model(*flags)
 
 
-def test_checkpoint_of_another_architecture_is_refused():
-    dictionary = tiny_dictionary()
-    args = parse("transformer", *SMALL)
-    plain = TranslationTask(args, dictionary, dictionary).build_model(args)
+def test_checkpoint_of_another_architecture_is_refused(tiny_model, build_model):
+    plain = tiny_model("transformer", *SMALL).model
     assert isinstance(plain, TransformerModel)
     model, _ = build_model()
     with pytest.raises(RuntimeError, match="no talking-heads parameters"):
         model.load_state_dict(plain.state_dict())
 
 
-def test_beam_search_shares_encoder_keys_among_beams_exactly():
+def test_beam_search_shares_encoder_keys_among_beams_exactly(build_model):
     model, dictionary = build_model("--th-attention", "enc_self,dec_self,enc_dec", "--th-value-heads", "2")
     check_beam_shared_keys_are_exact(model, dictionary)
 

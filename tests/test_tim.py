@@ -8,13 +8,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fairseq import options, utils
-from fairseq.data import Dictionary
+from fairseq import utils
 from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
-from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from attention_helpers import decode_incrementally
+from attention_helpers import check_incremental_decoding, decode_incrementally
 from beam_search_checks import check_beam_shared_keys_are_exact
 import fairseq_modattn  # noqa: F401  (registers the architectures)
 from fairseq_modattn.models.tim_transformer import (
@@ -25,6 +23,7 @@ from fairseq_modattn.models.tim_transformer import (
 )
 from fairseq_modattn.modules import TIMDecoderLayer, TIMEncoderLayer
 from fairseq_modattn.modules.tim_layer import InterMechanismAttention
+from tiny_models import model_args
 
 
 def make_cfg(embed=16, heads=4, ffn=32, normalize_before=False):
@@ -436,31 +435,18 @@ def test_gradcheck_tiny_layers_in_double():
 
 
 # ----------------------------------------------------------------------------- model level
-def parse(arch, *extra):
-    parser = options.get_training_parser()
-    return options.parse_args_and_arch(parser, ["/nonexistent", "--arch", arch, "--task", "translation", *extra])
-
-
-def fixed_dictionary(size=100):
-    vocab = Dictionary()
-    for i in range(size):
-        vocab.add_symbol(f"w{i}")
-    return vocab
-
-
 TINY = ["--encoder-layers", "4", "--decoder-layers", "2", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
         "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "4",
         "--decoder-attention-heads", "4", "--dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def build(*extra, arch="tim_transformer", seed=0):
-    vocab = fixed_dictionary(20)
-    args = parse(arch, *TINY, *extra)
-    torch.manual_seed(seed)
-    return TranslationTask(TranslationConfig(), vocab, vocab).build_model(args), vocab
+@pytest.fixture
+def build(tiny_model):
+    """build(*flags, arch=..., seed=0) -> (model, dictionary of 20 words) of a TINY model."""
+    return lambda *extra, arch="tim_transformer", seed=0: tiny_model(arch, *TINY, *extra, seed=seed)[:2]
 
 
-def test_model_places_tim_layers_where_asked():
+def test_model_places_tim_layers_where_asked(build):
     model, _ = build("--tim-decoder-layers", "1")
     kinds = [type(layer).__name__ for layer in model.encoder.layers]
     assert kinds == ["TransformerEncoderLayerBase"] * 2 + ["TIMEncoderLayer", "TransformerEncoderLayerBase"]
@@ -474,7 +460,7 @@ def test_model_places_tim_layers_where_asked():
     assert not any(isinstance(layer, TIMDecoderLayer) for layer in model.decoder.layers)
 
 
-def test_model_competition_is_reported_per_layer_after_forward():
+def test_model_competition_is_reported_per_layer_after_forward(build):
     model, vocab = build("--tim-decoder-layers", "auto", "--decoder-layers", "4")
     model.eval()
     src = torch.randint(4, len(vocab), (2, 5))
@@ -488,40 +474,20 @@ def test_model_competition_is_reported_per_layer_after_forward():
 
 
 @pytest.mark.parametrize("normalize_before", [False, True])
-def test_incremental_decoding_with_tim_decoder_layers_matches_full_forward(normalize_before):
+def test_incremental_decoding_with_tim_decoder_layers_matches_full_forward(normalize_before, build):
     extra = ["--encoder-normalize-before", "--decoder-normalize-before"] if normalize_before else []
     # decoder: standard layer 0, TIM layer 1 (the last layer, so the alignment comes from TIM)
     model, vocab = build("--tim-decoder-layers", "1", *extra)
     model.eval()
     assert isinstance(model.decoder.layers[1], TIMDecoderLayer)
-    n_sent, beam, steps, t0 = 2, 2, 5, 2
-    pad = vocab.pad()
-    torch.manual_seed(1)
-    src = torch.randint(4, len(vocab), (n_sent, 6))
-    src[1, :2] = pad  # left-padded source (fairseq's default)
-    prev = torch.randint(4, len(vocab), (n_sent * beam, steps))
-    prev[:, 0] = vocab.eos()
-    new_order = torch.tensor([1, 1, 3, 2])  # within each sentence's beams, with a duplicate
-    prev_ref = prev.clone()
-    prev_ref[:, : t0 + 1] = prev[new_order, : t0 + 1]
-    with torch.no_grad():
-        encoder_out = model.encoder(src, src_lengths=torch.tensor([6, 4]))
-        encoder_out = model.encoder.reorder_encoder_out(encoder_out, torch.arange(n_sent).repeat_interleave(beam))
-        full, full_extra = model.decoder(prev_ref, encoder_out=encoder_out)
-        outs, attns = decode_incrementally(model, encoder_out, prev_ref, prev, t0, new_order)
-    assert full_extra["attn"][0] is not None
-    for t in range(steps):
-        got = outs[t][new_order] if t <= t0 else outs[t]
-        attn = attns[t][new_order] if t <= t0 else attns[t]
-        torch.testing.assert_close(got, full[:, t : t + 1], rtol=1e-4, atol=1e-5, msg=f"step {t}")
-        torch.testing.assert_close(attn, full_extra["attn"][0][:, t : t + 1], rtol=1e-4, atol=1e-5)
+    run = check_incremental_decoding(model, vocab)  # the alignment comes from the TIM layer
     # without the reorder the later steps differ (the test can fail)
     with torch.no_grad():
-        unordered, _ = decode_incrementally(model, encoder_out, prev_ref, prev, t0, torch.arange(4))
-    assert not torch.allclose(unordered[-1], full[:, -1:], atol=1e-4)
+        unordered, _ = decode_incrementally(model, run.encoder_out, run.prev_ref, run.prev, run.t0, torch.arange(4))
+    assert not torch.allclose(unordered[-1], run.full[:, -1:], atol=1e-4)
 
 
-def test_model_outputs_ignore_extra_source_padding():
+def test_model_outputs_ignore_extra_source_padding(build):
     model, vocab = build("--tim-decoder-layers", "1")
     model.eval()
     torch.manual_seed(2)
@@ -540,11 +506,10 @@ def count(module):
     return sum(p.numel() for p in module.parameters())
 
 
-def test_parameter_count_of_tim_transformer_iwslt_de_en_by_hand():
-    vocab = fixed_dictionary(100)
+def test_parameter_count_of_tim_transformer_iwslt_de_en_by_hand(tiny_model):
+    model, vocab, _, _ = tiny_model("tim_transformer_iwslt_de_en", dictionary=100)
     V = len(vocab)  # 100 symbols + bos, pad, eos, unk
     assert V == 104
-    model = TranslationTask(TranslationConfig(), vocab, vocab).build_model(parse("tim_transformer_iwslt_de_en"))
     D, F_, n, d = 512, 1024, 2, 256
     embeddings = 3 * V * D  # encoder, decoder input, decoder output projection (not shared)
     attention = 4 * (D * D + D)  # q, k, v, out
@@ -572,10 +537,8 @@ def test_parameter_count_of_tim_transformer_iwslt_de_en_by_hand():
     ("tim_transformer_iwslt_de_en_matched", "transformer_iwslt_de_en", 2808, (31_703_406, 31_703_040)),
     ("tim_transformer_wmt_en_de_matched", "transformer_wmt_en_de", 4854, (44_298_600, 44_298_240)),
 ])
-def test_matched_presets_have_the_transformers_parameter_count(arch, baseline, tim_ffn, counts):
-    vocab = fixed_dictionary(100)
-    task = TranslationTask(TranslationConfig(), vocab, vocab)
-    matched, reference = task.build_model(parse(arch)), task.build_model(parse(baseline))
+def test_matched_presets_have_the_transformers_parameter_count(arch, baseline, tim_ffn, counts, tiny_model):
+    matched, reference = (tiny_model(name, dictionary=100).model for name in (arch, baseline))
     assert all(layer.ffn_embed_dim == tim_ffn for layer in matched.tim_layers().values())
     assert (count(matched), count(reference)) == counts  # the numbers in models/tim_transformer.py
     assert abs(count(matched) - count(reference)) / count(reference) < 0.005
@@ -584,14 +547,14 @@ def test_matched_presets_have_the_transformers_parameter_count(arch, baseline, t
         standard = count(reference.get_submodule(name))
         assert abs(count(layer) - standard) <= 2 * 256 + 1
     # and the unmatched preset is clearly smaller (the test can fail)
-    plain = task.build_model(parse(arch.replace("_matched", "")))
+    plain = tiny_model(arch.replace("_matched", ""), dictionary=100).model
     assert count(plain) < 0.95 * count(reference)
 
 
 @pytest.mark.parametrize("competition", [True, False])
 @pytest.mark.parametrize("mechanism_attention", [True, False])
 @pytest.mark.parametrize("head_dim", [32, 3, 0])
-def test_parameter_formulas_match_built_layers(competition, mechanism_attention, head_dim):
+def test_parameter_formulas_match_built_layers(competition, mechanism_attention, head_dim, build):
     flags = (["--tim-no-competition"] if not competition else []) + (
         ["--tim-no-mechanism-attention"] if not mechanism_attention else [])
     model, _ = build("--tim-encoder-layers", "all", "--tim-decoder-layers", "all", "--tim-mechanisms", "4",
@@ -621,15 +584,15 @@ def test_parameter_formulas_match_built_layers(competition, mechanism_attention,
 
 # ----------------------------------------------------------------------------- configuration
 def test_architecture_defaults_and_overrides():
-    args = parse("tim_transformer_iwslt_de_en")
+    args = model_args("tim_transformer_iwslt_de_en")
     assert (args.tim_mechanisms, args.tim_encoder_layers, args.tim_decoder_layers) == (2, "auto", "none")
     assert (args.tim_mechanism_attention_heads, args.tim_no_competition, args.tim_no_mechanism_attention) == (
         2, False, False)
     assert args.tim_mechanism_attention_head_dim == 32
     assert args.tim_ffn_embed_dim is None and args.tim_match_params is False
     assert (args.encoder_embed_dim, args.encoder_ffn_embed_dim, args.encoder_attention_heads) == (512, 1024, 4)
-    assert parse("tim_transformer_wmt_en_de_matched").tim_match_params is True
-    args = parse("tim_transformer", "--tim-mechanisms", "4", "--tim-encoder-layers", "1,2", "--tim-no-competition")
+    assert model_args("tim_transformer_wmt_en_de_matched").tim_match_params is True
+    args = model_args("tim_transformer", "--tim-mechanisms", "4", "--tim-encoder-layers", "1,2", "--tim-no-competition")
     assert (args.tim_mechanisms, args.tim_encoder_layers, args.tim_no_competition) == (4, "1,2", True)
 
 
@@ -658,12 +621,11 @@ def test_every_tim_flag_has_help_text():
     (("--tim-decoder-layers", "2"), "--tim-decoder-layers"),
     (("--tim-match-params", "--tim-ffn-embed-dim", "64"), "--tim-match-params"),
 ])
-def test_bad_configuration_names_the_flag(flags, message):
+def test_bad_configuration_names_the_flag(flags, message, build):
     with pytest.raises(ValueError, match=message):
         build(*flags)
 
 
-def test_beam_search_shares_encoder_keys_among_beams_exactly():
+def test_beam_search_shares_encoder_keys_among_beams_exactly(build):
     model, vocab = build("--tim-decoder-layers", "auto", "--decoder-layers", "4")
     check_beam_shared_keys_are_exact(model, vocab)
-

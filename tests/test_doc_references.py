@@ -87,8 +87,10 @@ OTHER_TOOLS = {
     "srun": {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task"},  # SLURM
     "wandb": set(),
 }
-#: pytest's own flags the documents use (the suite's own options come from tests/conftest.py)
-PYTEST_FLAGS = {"--shared-data", "--require-shared-data", "--durations", "--collect-only"}
+#: pytest's own flags the documents use (the suite's own options come from tests/conftest.py);
+#: TEMPORARY: --require-shared-data is the option the test tiers add to conftest.py (the lead
+#: removes it here when that branch is merged)
+PYTEST_FLAGS = {"--require-shared-data", "--durations", "--collect-only"}
 #: programs that run the command after their own single-dash options
 WRAPPERS = {"sudo", "time", "/usr/bin/time", "nice", "nohup", "env"}
 #: shell words that are no programs

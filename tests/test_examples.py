@@ -26,7 +26,7 @@ PLUGIN = str(REPO / "fairseq_modattn")
 
 
 LAUNCHERS = ("torchrun", "srun")
-# shell variables of the README's loops, replaced by a value they take
+# shell variables of the documents' loops, replaced by a value they take
 SAMPLE_VALUES = {"$rank": "0"}
 
 
@@ -107,11 +107,16 @@ def check_modattn_command(path: Path, argv):
         pytest.fail(f"{path}: unexpected fairseq-modattn command {command}")
 
 
-def test_readme_analysis_commands_parse():
-    found = [argv for program, argv in commands(REPO / "README.md") if program == "fairseq-modattn"]
-    assert {argv[0] for argv in found} >= {"prepare", "average", "evaluate", "redundancy", "plot", "ablate"}
-    for argv in found:
-        check_modattn_command(REPO / "README.md", argv)
+#: the documents outside examples/*/ whose fairseq-modattn commands are parsed
+COMMAND_DOCS = ("README.md", "docs/analysis.md", "examples/README.md")
+
+
+def test_documented_analysis_commands_parse():
+    found = [(doc, argv) for doc in COMMAND_DOCS
+             for program, argv in commands(REPO / doc) if program == "fairseq-modattn"]
+    assert {argv[0] for _, argv in found} >= {"prepare", "average", "evaluate", "redundancy", "plot", "ablate"}
+    for doc, argv in found:
+        check_modattn_command(REPO / doc, argv)
 
 
 def check_training_command(argv):
@@ -125,12 +130,12 @@ def check_training_command(argv):
     return args
 
 
-def test_readme_scaling_out_commands_parse_and_build():
-    """README "Scaling out": every launcher line parses (torchrun's own parser), and every
+def test_scaling_out_commands_parse_and_build():
+    """docs/distributed.md: every launcher line parses (torchrun's own parser), and every
     training command parses and builds; the CPU recipe names gloo and legacy_ddp."""
     from torch.distributed.run import get_args_parser
 
-    found = [c for c in commands(REPO / "README.md", launched=True) if c[1] == "fairseq-train"]
+    found = [c for c in commands(REPO / "docs" / "distributed.md", launched=True) if c[1] == "fairseq-train"]
     launchers = [launcher[0] for launcher, _, _ in found if launcher]
     assert launchers.count("torchrun") >= 2 and "srun" in launchers, launchers
     for launcher, _, argv in found:

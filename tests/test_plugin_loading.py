@@ -1,14 +1,14 @@
 """Loading the plugin, through the real fairseq commands.
 
 * ``fairseq-train --tensorboard-logdir`` writes every term the criterion logs (the DMA aux terms
-  too) as TensorBoard scalars, with the values of the log lines (README.md, "Logging to
-  TensorBoard or W&B"). fairseq writes the event files with tensorboardX (the test extra) when the
+  too) as TensorBoard scalars, with the values of the log lines (docs/analysis.md, "TensorBoard
+  and W&B"). fairseq writes the event files with tensorboardX (the test extra) when the
   full tensorboard package is absent.
 * A plugin checkpoint loaded without ``--user-dir`` never imports this package: what fairseq then
-  prints is quoted in README.md, "Troubleshooting", and checked here; with ``--user-dir`` the same
+  prints is quoted in docs/troubleshooting.md, and checked here; with ``--user-dir`` the same
   checkpoint translates.
 * A relative ``--user-dir`` resolves against the working folder (fairseq's
-  ``utils.import_user_module``): the FileNotFoundError README.md quotes, and its fix.
+  ``utils.import_user_module``): the FileNotFoundError docs/troubleshooting.md quotes, and its fix.
 * A checkpoint whose architecture nothing registers stops fairseq-generate and the package's
   commands with one line (compat fix 11) instead of fairseq's IndexError.
 """
@@ -25,7 +25,7 @@ from cli_checks import logged
 from conftest import MODATTN, PLUGIN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.compat.unknown_architecture import UnknownArchitectureError, build_model_naming_unknown_architecture
 
-#: what the criterion logs for a DMA model besides fairseq's loss, nll_loss and ppl (README.md)
+#: what the criterion logs for a DMA model besides fairseq's loss, nll_loss and ppl (docs/analysis.md)
 DMA_KEYS = {"ce_loss", "kl", "dqq", "dxq", "div", "gamma"}
 FOREIGN_ARCH = "another_plugins_transformer"
 
@@ -96,7 +96,7 @@ def test_tensorboard_logdir_holds_every_term_the_criterion_logs(dma_run):
 
 # ----------------------------------------------------------------------------- --user-dir
 def test_plugin_checkpoint_without_user_dir(dma_run, multi30k_bin):
-    """What fairseq prints (README.md, "Troubleshooting"): under torch >= 2.6 its safe loader
+    """What fairseq prints (docs/troubleshooting.md): under torch >= 2.6 its safe loader
     refuses the checkpoint's argparse.Namespace (the plugin's fix 4 is not loaded); under an
     older torch (simulated by torch's switch) model building fails with an IndexError."""
     save, _, _ = dma_run
@@ -118,7 +118,7 @@ def test_relative_user_dir_resolves_against_the_working_folder(dma_run, multi30k
     code, out, _ = generate(multi30k_bin, checkpoint, "--user-dir", "fairseq_modattn", cwd=tmp_path)
     assert code != 0
     assert f"FileNotFoundError: {tmp_path / 'fairseq_modattn'}" in out, out[-2000:]
-    # README's fix: the folder's absolute path, as Python finds the installed package
+    # docs/troubleshooting.md's fix: the folder's absolute path, as Python finds the installed package
     code, found, _ = run([sys.executable, "-c", "import fairseq_modattn, os; print(os.path.dirname("
                           "fairseq_modattn.__file__))"], cwd=tmp_path)
     assert code == 0 and Path(found.strip().splitlines()[-1]) == PLUGIN

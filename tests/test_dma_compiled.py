@@ -47,11 +47,22 @@ KINDS = {"enc_self": dict(self_attention=True), "dec_self": dict(self_attention=
          "enc_dec": dict(encoder_decoder_attention=True)}
 
 compile_works = hasattr(torch, "compile") and torch._dynamo.is_dynamo_supported()
-needs_compile = pytest.mark.skipif(not compile_works, reason="torch.compile is not supported on this Python/torch")
-needs_cxx = pytest.mark.skipif(
+_skip_without_compile = pytest.mark.skipif(
+    not compile_works, reason="torch.compile is not supported on this Python/torch")
+_skip_without_cxx = pytest.mark.skipif(
     not compile_works or not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
     reason="inductor needs a C++ compiler on the CPU",
 )
+
+
+# Compiling takes seconds to a minute a graph, and inductor compiles in worker processes: the
+# tests that compile belong to the e2e tier (tests/tiers.py).
+def needs_compile(test):
+    return pytest.mark.e2e(_skip_without_compile(test))
+
+
+def needs_cxx(test):
+    return pytest.mark.e2e(_skip_without_cxx(test))
 
 
 @pytest.fixture

@@ -43,17 +43,11 @@ DOCS = sorted({REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("examples
 #: top-level folders of this repository: a path starting with one must exist
 OUR_ROOTS = ("fairseq_modattn", "docs", "examples", "tests", "benchmarks", "scripts")
 
-# TEMPORARY: files other items of the refactoring issue create (docs/design.md's layout already
-# names them). The lead empties this set when those branches are merged.
-PLANNED_PATHS = {
-    "fairseq_modattn/compat/",                           # compat.py split, one module per fix
-    "fairseq_modattn/modules/group_recurrent_cells.py",  # the grouped LSTM/GRU cells, out of rim.py
-    "fairseq_modattn/cli/average.py",                    # `average`, out of cli/evaluate.py
-}
 #: files of other repositories that the documents name (fairseq's, the authors' and the RIMs'
 #: reference code), which look like ours
 EXTERNAL_PATHS = {
     "scripts/average_checkpoints.py",                   # fairseq's, not shipped by its pip package
+    "wav2vec2_classification.py",                       # fairseq's module that sets the root logger
     "examples/translation/prepare-iwslt14.sh",          # fairseq's data scripts
     "examples/translation/prepare-wmt14en2de.sh",
     "modules/disentangled_attention.py", "criterions/disentangled_label_smoothed_cross_entropy.py",
@@ -87,10 +81,8 @@ OTHER_TOOLS = {
     "srun": {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task"},  # SLURM
     "wandb": set(),
 }
-#: pytest's own flags the documents use (the suite's own options come from tests/conftest.py);
-#: TEMPORARY: --require-shared-data is the option the test tiers add to conftest.py (the lead
-#: removes it here when that branch is merged)
-PYTEST_FLAGS = {"--require-shared-data", "--durations", "--collect-only"}
+#: pytest's own flags the documents use (the suite's own options come from tests/conftest.py)
+PYTEST_FLAGS = {"--durations", "--collect-only"}
 #: programs that run the command after their own single-dash options
 WRAPPERS = {"sudo", "time", "/usr/bin/time", "nice", "nohup", "env"}
 #: shell words that are no programs
@@ -452,10 +444,6 @@ def test_readme_lists_every_architecture():
 
 
 def path_exists(path: str) -> bool:
-    if path in PLANNED_PATHS or path.rstrip("/") + "/" in PLANNED_PATHS:
-        return True
-    if any(path.startswith(planned) for planned in PLANNED_PATHS if planned.endswith("/")):
-        return True
     pattern = re.sub(r"<[^>]*>|\bCORPUS\b|\bNAME\b|\{[^}]*\}", "*", path)
     if "*" in pattern:
         return any(REPO.glob(pattern.rstrip("/")))
@@ -569,10 +557,15 @@ def test_design_layout_is_complete_and_current():
     layout = text[text.index("\n## Layout\n"):]
     layout = layout[:layout.index("\n## ", 1)]
     named = set(re.findall(r"\b(\w+\.py)\b", layout))
-    planned = {Path(p).name for p in PLANNED_PATHS}
-    missing = sorted(n for n in named - planned if not any(REPO.glob(f"**/{n}")))
+    missing = sorted(n for n in named if not any(REPO.glob(f"**/{n}")))
     assert not missing, f"docs/design.md's layout names files that do not exist: {missing}"
-    modules = {p.name for p in REPO.glob("fairseq_modattn/**/*.py") if p.name != "__init__.py"}
-    modules -= {"compat.py"}  # TEMPORARY, with PLANNED_PATHS: the layout names the compat/ package
+    # the layout names compat/ as one folder; its fixes are listed, module by module, in
+    # "fairseq pitfalls"
+    compat = REPO / "fairseq_modattn" / "compat"
+    modules = {p.name for p in REPO.glob("fairseq_modattn/**/*.py")
+               if p.name != "__init__.py" and p.parent != compat}
     unnamed = sorted(modules - named)
     assert not unnamed, f"docs/design.md's layout does not name {unnamed}"
+    fixes = {p.name for p in compat.glob("[!_]*.py")}
+    unlisted = sorted(name for name in fixes if f"compat/{name}" not in text)
+    assert fixes and not unlisted, f"docs/design.md does not list the compat fixes {unlisted}"

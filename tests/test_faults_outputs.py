@@ -116,6 +116,7 @@ def test_output_path_that_is_a_directory_is_refused_and_kept(tmp_path, capsys):
 
 # ------------------------------------------------------------- item 2: --dest prepare did not make
 
+@pytest.mark.e2e  # prepare runs fairseq-preprocess in a process (tests/tiers.py)
 def test_prepare_refuses_foreign_dest_and_keeps_user_files(tmp_path, capsys):
     raw = synthetic_raw(tmp_path / "raw")
     notes = tmp_path / "notes"
@@ -285,6 +286,7 @@ def test_raw_directory_and_unwritable_dest_fail_at_start_in_one_line(tmp_path, c
 
 # --------------------------------------------------------------------- item 10: byte-order mark
 
+@pytest.mark.e2e  # prepare runs fairseq-preprocess in a process (tests/tiers.py)
 def test_utf8_byte_order_mark_is_stripped(tmp_path):
     (tmp_path / "a.txt").write_bytes("\ufeffeins zwei\n\ufeffdrei\n".encode("utf-8"))
     assert read_lines(tmp_path / "a.txt") == ["eins zwei", "\ufeffdrei"]  # only at the file's start

@@ -168,6 +168,7 @@ def binfiles(dest: Path, src: str, tgt: str):
 
 # ------------------------------------------------------------------------------------ end to end
 
+@pytest.mark.e2e  # prepare runs fairseq-preprocess in a process (tests/tiers.py)
 def test_wmt14_end_to_end(tmp_path, monkeypatch, capsys):
     raw = wmt14_raw(tmp_path)
     accept_archives(monkeypatch, wmt14, raw)
@@ -203,6 +204,7 @@ def test_wmt14_end_to_end(tmp_path, monkeypatch, capsys):
     assert again.sentences == summary.sentences and "up to date" in capsys.readouterr().err
 
 
+@pytest.mark.e2e  # prepare runs fairseq-preprocess in a process (tests/tiers.py)
 def test_wmt14_newstest2013_valid(tmp_path, monkeypatch):
     raw = wmt14_raw(tmp_path, extracted_europarl=False)
     accept_archives(monkeypatch, wmt14, raw)
@@ -212,6 +214,7 @@ def test_wmt14_newstest2013_valid(tmp_path, monkeypatch):
     assert summary.sentences == {"train": 450 - 3, "valid": 20, "test": 12}
 
 
+@pytest.mark.e2e  # prepare runs fairseq-preprocess in a process (tests/tiers.py)
 def test_wmt17_end_to_end(tmp_path, monkeypatch, capsys):
     raw = wmt17_raw(tmp_path)
     accept_archives(monkeypatch, wmt17, raw)

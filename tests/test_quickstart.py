@@ -130,6 +130,7 @@ def test_training_stats_median_leaves_out_epochs_slowed_by_other_work(tmp_path):
     assert stats["wps_median"] == 2300.0 and stats["wps"] < 1800
 
 
+@pytest.mark.e2e  # the training run is a child process (tests/tiers.py)
 def test_train_log_holds_each_progress_line_when_it_is_shown(tmp_path):
     """train.log is line-buffered: a reader following it (tail -f, multi30k.py --status) sees
     every record as soon as the progress line is shown, not a block later."""

@@ -250,5 +250,5 @@ def test_module_fused_and_sdpa_implementations_agree_in_training(kind):
 
 
 def test_module_refuses_unknown_implementation():
-    with pytest.raises(ValueError, match="--dma-attention-impl"):
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
         DisentangledMaskAttention(16, 2, self_attention=True, attention_impl="flash")

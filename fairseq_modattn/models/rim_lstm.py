@@ -80,7 +80,7 @@ from fairseq.modules import FairseqDropout
 from fairseq.utils import safe_getattr
 from torch import Tensor, nn
 
-from ..modules.rim import CELL_TYPES, RIMLayer, check_cell_type
+from ..modules.rim import CELL_TYPES, RIMLayer, check_rim_cell
 from .dictionary_fingerprint import RecordsDictionaries
 from .flag_types import finite_float
 
@@ -98,33 +98,11 @@ def validate_rim_args(args):
     for dest, flag in REPLACED_ENCODER_FLAGS.items():
         if safe_getattr(args, dest, None) not in (None, False):
             raise ValueError(f"rim_lstm has no {flag}; got {safe_getattr(args, dest)!r}")
-    positive = {
-        "rim_num": "--rim-num", "rim_size": "--rim-size", "rim_layers": "--rim-layers",
-        "rim_input_key_size": "--rim-input-key-size", "rim_input_value_size": "--rim-input-value-size",
-        "rim_input_heads": "--rim-input-heads", "rim_comm_key_size": "--rim-comm-key-size",
-        "rim_comm_value_size": "--rim-comm-value-size", "rim_comm_heads": "--rim-comm-heads",
-    }
-    for dest, flag in positive.items():
-        if getattr(args, dest) < 1:
-            raise ValueError(f"{flag} must be >= 1, got {getattr(args, dest)}")
-    n, k = args.rim_num, args.rim_top_k
-    if not 1 <= k <= n:
-        raise ValueError(f"--rim-top-k ({k}) must be >= 1 and <= --rim-num ({n})")
-    check_cell_type(args.rim_cell, "--rim-cell")
-    divisible = [
-        ("--rim-input-key-size", args.rim_input_key_size, "--rim-input-heads", args.rim_input_heads),
-        ("--rim-input-value-size", args.rim_input_value_size, "--rim-input-heads", args.rim_input_heads),
-    ]
-    if not args.rim_no_communication:
-        divisible += [
-            ("--rim-comm-key-size", args.rim_comm_key_size, "--rim-comm-heads", args.rim_comm_heads),
-            ("--rim-comm-value-size", args.rim_comm_value_size, "--rim-comm-heads", args.rim_comm_heads),
-        ]
-    for size_flag, size, heads_flag, heads in divisible:
-        if size % heads != 0:
-            raise ValueError(f"{size_flag} ({size}) must be divisible by {heads_flag} ({heads})")
-    if not 0.0 <= args.rim_attention_dropout < 1.0:
-        raise ValueError(f"--rim-attention-dropout must be in [0, 1), got {args.rim_attention_dropout}")
+    if args.rim_layers < 1:
+        raise ValueError(f"--rim-layers must be >= 1, got {args.rim_layers}")
+    cell = rim_layer_kwargs(args)
+    del cell["bidirectional"], cell["learned_initial_state"]  # nothing to check
+    check_rim_cell(args.encoder_embed_dim, **cell, names=RIM_CELL_FLAGS)
     if args.share_all_embeddings and args.encoder_embed_dim != args.decoder_embed_dim:
         raise ValueError(
             f"--share-all-embeddings requires --encoder-embed-dim ({args.encoder_embed_dim}) to match "
@@ -135,6 +113,17 @@ def validate_rim_args(args):
             f"--share-decoder-input-output-embed requires --decoder-embed-dim ({args.decoder_embed_dim}) "
             f"to match --decoder-out-embed-dim ({args.decoder_out_embed_dim})"
         )
+
+
+#: the flag each ``RIMCell`` parameter is read from (``rim_layer_kwargs``)
+RIM_CELL_FLAGS = {
+    "input_size": "--encoder-embed-dim", "num_rims": "--rim-num", "rim_size": "--rim-size",
+    "top_k": "--rim-top-k", "cell": "--rim-cell", "input_key_size": "--rim-input-key-size",
+    "input_value_size": "--rim-input-value-size", "input_heads": "--rim-input-heads",
+    "comm_key_size": "--rim-comm-key-size", "comm_value_size": "--rim-comm-value-size",
+    "comm_heads": "--rim-comm-heads", "input_dropout": "--rim-attention-dropout",
+    "comm_dropout": "--rim-attention-dropout",
+}
 
 
 def rim_layer_kwargs(args) -> dict:

@@ -66,7 +66,7 @@ input 256, n = 6 RIMs of 64, top_k 4, min of 7 interleaved runs): 1.8x the time 
 ``torch.nn.LSTM(256, 384)`` at T = 32 and 128, uni- and bidirectional.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -75,6 +75,7 @@ from torch import Tensor
 
 from .group_linear import GroupLinear
 from .group_recurrent_cells import GroupGRUCell, GroupLSTMCell, gru_update, lstm_update
+from .parameter_names import parameter_names
 from .precision import at_least_fp32
 
 #: (h, c), each (B, n, d_r); c is None for GRU cells
@@ -84,21 +85,37 @@ RIMState = Tuple[Tensor, Optional[Tensor]]
 CELL_TYPES = ("lstm", "gru")
 
 
-def check_cell_type(cell: str, name: str):
-    """ValueError unless ``cell`` is one of ``CELL_TYPES``; ``name`` says where it was given (a
-    parameter, or a model's flag)."""
+def check_rim_cell(input_size: int, num_rims: int, rim_size: int, top_k: int, *, cell: str = "lstm",
+                   input_key_size: int = 64, input_value_size: int = 400, input_heads: int = 1,
+                   comm_key_size: int = 32, comm_value_size: int = 32, comm_heads: int = 4,
+                   communication: bool = True, input_dropout: float = 0.0, comm_dropout: float = 0.0,
+                   names: Optional[Mapping[str, str]] = None):
+    """ValueError unless ``RIMCell``'s parameters describe a cell that can be built: positive
+    sizes, 1 <= k <= n, a known cell type, key and value widths that split evenly over their
+    heads (the communication's only when there is communication), dropout in [0, 1).
+    ``names``: what the caller calls each parameter (``parameter_names``)."""
+    name = parameter_names(names)
+    sizes = {"input_size": input_size, "num_rims": num_rims, "rim_size": rim_size,
+             "input_heads": input_heads, "input_key_size": input_key_size, "input_value_size": input_value_size}
+    if communication:
+        sizes.update(comm_heads=comm_heads, comm_key_size=comm_key_size, comm_value_size=comm_value_size)
+    for parameter, size in sizes.items():
+        if size < 1:
+            raise ValueError(f"{name[parameter]} must be >= 1, got {size}")
+    if not 1 <= top_k <= num_rims:
+        raise ValueError(f"{name['top_k']} ({top_k}) must be >= 1 and <= {name['num_rims']} ({num_rims})")
     if cell not in CELL_TYPES:
-        raise ValueError(f"{name} must be one of {', '.join(CELL_TYPES)}, got {cell!r}")
-
-
-def _check_divisible(size: int, size_name: str, heads: int, heads_name: str):
-    if heads < 1:
-        raise ValueError(f"RIMCell: {heads_name} must be >= 1, got {heads}")
-    if size < 1 or size % heads != 0:
-        raise ValueError(
-            f"RIMCell: {size_name} ({size}) must be a positive multiple of {heads_name} ({heads}): "
-            "it is the total width over the heads"
-        )
+        raise ValueError(f"{name['cell']} must be one of {', '.join(CELL_TYPES)}, got {cell!r}")
+    # each head owns width / heads units of the total key or value width
+    divisible = [("input_key_size", "input_heads"), ("input_value_size", "input_heads")]
+    if communication:
+        divisible += [("comm_key_size", "comm_heads"), ("comm_value_size", "comm_heads")]
+    for size, heads in divisible:
+        if sizes[size] % sizes[heads] != 0:
+            raise ValueError(f"{name[size]} ({sizes[size]}) must be divisible by {name[heads]} ({sizes[heads]})")
+    for parameter, p in (("input_dropout", input_dropout), ("comm_dropout", comm_dropout)):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name[parameter]} must be in [0, 1), got {p}")
 
 
 class RIMCell(nn.Module):
@@ -133,23 +150,10 @@ class RIMCell(nn.Module):
         learned_initial_state: bool = False,
     ):
         super().__init__()
-        if input_size < 1:
-            raise ValueError(f"RIMCell: input_size must be >= 1, got {input_size}")
-        if num_rims < 1:
-            raise ValueError(f"RIMCell: num_rims must be >= 1, got {num_rims}")
-        if rim_size < 1:
-            raise ValueError(f"RIMCell: rim_size must be >= 1, got {rim_size}")
-        if not 1 <= top_k <= num_rims:
-            raise ValueError(f"RIMCell: top_k must be between 1 and num_rims ({num_rims}), got {top_k}")
-        check_cell_type(cell, "RIMCell: cell")
-        _check_divisible(input_key_size, "input_key_size", input_heads, "input_heads")
-        _check_divisible(input_value_size, "input_value_size", input_heads, "input_heads")
-        if communication:
-            _check_divisible(comm_key_size, "comm_key_size", comm_heads, "comm_heads")
-            _check_divisible(comm_value_size, "comm_value_size", comm_heads, "comm_heads")
-        for name, p in (("input_dropout", input_dropout), ("comm_dropout", comm_dropout)):
-            if not 0.0 <= p < 1.0:
-                raise ValueError(f"RIMCell: {name} must be in [0, 1), got {p}")
+        check_rim_cell(input_size, num_rims, rim_size, top_k, cell=cell, input_key_size=input_key_size,
+                       input_value_size=input_value_size, input_heads=input_heads, comm_key_size=comm_key_size,
+                       comm_value_size=comm_value_size, comm_heads=comm_heads, communication=communication,
+                       input_dropout=input_dropout, comm_dropout=comm_dropout)
 
         self.input_size = input_size
         self.num_rims = num_rims

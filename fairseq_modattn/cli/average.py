@@ -31,14 +31,22 @@ def average_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="FILE",
                    help="where to write the averaged checkpoint (written atomically; an existing "
                         "directory is refused, never replaced)")
-    n = p.add_mutually_exclusive_group()
-    n.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
-                   help="average the last N checkpointEPOCH.pt files of the --inputs directory")
-    n.add_argument("--num-update-checkpoints", type=int, metavar="N",
-                   help="average the last N checkpoint_EPOCH_UPDATES.pt files of the --inputs directory")
-    p.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
-                   help="only consider checkpoints with epoch (or update, with --num-update-checkpoints) <= K")
+    add_checkpoint_selection(p, "the --inputs directory")
     return p
+
+
+def add_checkpoint_selection(parser: argparse.ArgumentParser, folder: str, epochs_default: str = ""):
+    """The flags that pick which checkpoints of FOLDER (a --save-dir) are averaged, named as
+    fairseq's scripts/average_checkpoints.py names them; EPOCHS_DEFAULT says what happens when
+    neither count is given."""
+    n = parser.add_mutually_exclusive_group()
+    n.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
+                   help=f"average the last N checkpointEPOCH.pt files of {folder}{epochs_default}")
+    n.add_argument("--num-update-checkpoints", type=int, metavar="N",
+                   help=f"average the last N checkpoint_EPOCH_UPDATES.pt files of {folder} instead")
+    parser.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
+                        help=f"only consider the checkpoints of {folder} up to epoch (or update, with "
+                             "--num-update-checkpoints) K")
 
 
 def average(argv: List[str]) -> int:

@@ -30,6 +30,7 @@ from ..folder_lock import exclusive_use
 from ..disk_space import describe_disk_full
 from ..data.errors import DataError
 from ..data.readers import read_lines
+from .average import add_checkpoint_selection
 from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
 # Flags of fairseq-generate that this command sets itself, or that would move the hypotheses
@@ -461,13 +462,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                        help="a fairseq --save-dir: average its last N epoch (or update) checkpoints")
     which.add_argument("--checkpoints", nargs="+", metavar="FILE", help="average exactly these checkpoint files")
     which.add_argument("--path", metavar="FILE", help="evaluate this one checkpoint, without averaging")
-    n = p.add_mutually_exclusive_group()
-    n.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
-                   help="with --checkpoint-dir: average the last N checkpointEPOCH.pt (default 5, the paper's)")
-    n.add_argument("--num-update-checkpoints", type=int, metavar="N",
-                   help="with --checkpoint-dir: average the last N checkpoint_EPOCH_UPDATES.pt instead")
-    p.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
-                   help="with --checkpoint-dir: ignore checkpoints after epoch (or update) K")
+    add_checkpoint_selection(p, "--checkpoint-dir", " (default 5, the paper's)")
     p.add_argument("--allow-fewer", action="store_true",
                    help="with --checkpoint-dir: average the checkpoints there are when fewer than N exist (warns)")
     p.add_argument("--subset", "--gen-subset", default="test", help="data-bin split to translate (default: test)")

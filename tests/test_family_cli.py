@@ -15,7 +15,7 @@ import pytest
 import torch
 from fairseq.data import Dictionary
 
-import fairseq_modattn  # noqa: F401  (the allow-list of compat.py, as --user-dir applies it)
+import fairseq_modattn  # noqa: F401  (compat's allow-list, as --user-dir applies it)
 from cli_checks import check_generate_test_set, check_resume, logged
 from conftest import PLUGIN, fairseq_cli, run_cli
 from fairseq_modattn.models.tim_transformer import standard_layer_params, tim_layer_params

@@ -61,6 +61,10 @@ def _defined_in_tests(obj) -> bool:
     return path.parent == TESTS and path != Path(__file__).resolve()
 
 
+def _is_test_helper_module(module) -> bool:
+    return Path(getattr(module, "__file__", "") or "").resolve().parent == TESTS
+
+
 def _code_names(code):
     """Every global or attribute name CODE and the functions nested in it refer to."""
     names = set(code.co_names)
@@ -101,19 +105,12 @@ def e2e_reason(obj, _seen=None):
         target = scope.get(name)
         if target is None:
             continue
-        if isinstance(target, types.ModuleType):
-            if target is subprocess:
-                return "uses the subprocess module"
-            if Path(getattr(target, "__file__", "") or "").resolve().parent == TESTS:
-                # a helper module of the tests: follow the attributes this code names
-                for attribute in names:
-                    member = getattr(target, attribute, None)
-                    if member is not None and not isinstance(member, types.ModuleType):
-                        reason = e2e_reason(member, _seen)
-                        if reason:
-                            return reason
-            continue
-        reason = e2e_reason(target, _seen)
+        if isinstance(target, types.ModuleType) and _is_test_helper_module(target):
+            # a helper module of the tests: follow the attributes this code names
+            members = (getattr(target, attribute, None) for attribute in names)
+            reason = next(filter(None, (e2e_reason(m, _seen) for m in members if m is not None)), None)
+        else:  # the subprocess module itself, or a function, class or fixture
+            reason = e2e_reason(target, _seen)
         if reason:
             return reason
     return None

@@ -29,11 +29,36 @@ Gradients are set to None before every step (outside the timer). Per length, eve
 first runs ``--warmup`` untimed steps, then ``--repeats`` timed ones, interleaved (lstm encoder,
 RIM encoder, lstm model, rim_lstm model, lstm encoder, ...) so that drifts of the machine hit all
 alike; the table shows medians and the ratios RIM / LSTM. The target: a RIM encoder step
-at most 4 x the LSTM encoder's on the 2-core CPU.
+at most 4 x the LSTM encoder's on the 2-core CPU. ``--no-train`` skips this timing.
 
-Output: the table and a JSON file (``--json``, default benchmarks/results/bench_rim.json,
-rewritten after every length) with per-repeat times, parameter counts, versions and the git
-commit / plugin source hash (``harness.provenance``).
+Kernel calls per encoder time step (``--count-ops``)
+    What a GPU pays in kernel launches, counted on any device by ``kernel_calls.py`` (every
+    ATen op that runs a kernel, called from Python or by the autograd engine, and every
+    inductor-compiled kernel; off CUDA the plugin's code takes its CUDA path,
+    ``device_paths.emulate``, as in ``bench_dma.py --count-ops``). For each encoder, through
+    its public forward only, in train mode: (a) the calls of the encoder's forward alone and
+    (b) those of forward + backward of the encoder step's loss above (``encoder_loss``), at
+    the shortest and the longest of ``--lengths``, L1 < L2, with the same batch of
+    ``--tokens // L2`` sentences, each count after one untimed warm-up step at its shape.
+    Per time step = (count(L2) - count(L1)) / (L2 - L1), so what the encoder pays once per
+    batch whatever its length (embedding, projections, the loss) cancels; backward per step =
+    (b) per step - (a) per step; the fixed part is count(L1) - L1 x per step. Printed: a
+    table of forward, backward and total (forward + backward) calls per step and the totals
+    at L1 and L2 for both encoders, with the ratios RIM / LSTM ('-' where the LSTM's count is
+    0), and the RIM encoder's 8 most frequent calls per step (forward + backward). fairseq's
+    LSTMEncoder runs the whole sequence as one ``aten::lstm`` call (cuDNN on a GPU, a oneDNN
+    kernel on the CPU) and its backward as one call per layer and direction, so its calls per
+    step are 0 and only the ratios of the totals are defined. Needs two different
+    ``--lengths``; with ``--no-train`` only the counting runs (``--no-model`` does not matter
+    to it). JSON ``kernel_ops``: ``lengths`` [L1, L2], ``batch``, and per encoder (``rim_lstm_encoder``,
+    ``lstm_encoder``) ``calls`` {forward, total: [at L1, at L2]}, ``per_step`` {forward,
+    backward, total} and ``fixed`` {forward, total}; ``ratios`` RIM / LSTM (``per_step``, null
+    where the LSTM's is 0; ``calls`` at L1 and L2) and ``rim_top_ops_per_step``.
+
+Output: the table(s) and a JSON file (``--json``, default benchmarks/results/bench_rim.json,
+rewritten after every timed length) with per-repeat times (``train``), the kernel calls
+(``kernel_ops``), parameter counts, versions and the git commit / plugin source hash
+(``harness.provenance``).
 
 Examples:
     python benchmarks/bench_rim.py --threads 2                          # full run, CPU
@@ -41,9 +66,11 @@ Examples:
     python benchmarks/bench_rim.py --rim-args="--rim-bidirectional --rim-layers 2" --no-model
     python benchmarks/bench_rim.py --device cuda --repeats 10 --warmup 3
     python benchmarks/bench_rim.py --quick                              # smoke run, seconds
+    python benchmarks/bench_rim.py --count-ops --no-train               # kernel calls per time step only
 """
 
 import argparse
+import contextlib
 import shlex
 import statistics
 from pathlib import Path
@@ -55,9 +82,11 @@ import torch
 from harness import (
     REPO,
     build,
+    kernel_op_counts,
     prepare_run,
     parse_fairseq_args,
     per_length,
+    ratio_cell,
     results_header,
     synthetic_dictionary,
     timed_step,
@@ -67,10 +96,12 @@ from harness import (
     write_json,
     zero_grad,
 )
+from kernel_calls import count_kernel_calls
 
 from fairseq.models.lstm import LSTMEncoder
 
 from fairseq_modattn.models.rim_lstm import RIMEncoder
+from fairseq_modattn.modules import device_paths
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "bench_rim.json"
 CRITERION = "label_smoothed_cross_entropy"
@@ -175,6 +206,107 @@ def format_table(rows):
     return lines
 
 
+COUNT_TOP = 8  # the RIM encoder's most frequent calls per step that --count-ops reports
+
+
+def count_lengths(lengths):
+    """(L1, L2) of --count-ops: the shortest and the longest of --lengths."""
+    l1, l2 = min(lengths), max(lengths)
+    if l1 == l2:
+        raise SystemExit(f"--count-ops needs two different --lengths (calls per step = the difference "
+                         f"of two lengths' counts), got {' '.join(map(str, lengths))}")
+    return l1, l2
+
+
+def per_step(counts, l1, l2):
+    """{name: calls per time step} from {length: {name: calls}} at L1 < L2."""
+    names = set(counts[l1]) | set(counts[l2])
+    return {k: (counts[l2].get(k, 0) - counts[l1].get(k, 0)) / (l2 - l1) for k in names}
+
+
+def encoder_op_counts(entry, samples, math_sdpa_as_fused):
+    """({length: {op: calls}} of the encoder's forward alone, the same of forward + backward of
+    ``encoder_loss``), each counted after one untimed warm-up step at its shape."""
+    encoder = entry["model"]
+    encoder.train()
+    forward, total = {}, {}
+    for length, sample in samples.items():
+        zero_grad(encoder)
+        train_step(entry, sample)  # warm-up: the first step at a shape may take other paths
+        zero_grad(encoder)
+        net_input = sample["net_input"]
+        forward[length] = count_kernel_calls(lambda: encoder(net_input["src_tokens"], net_input["src_lengths"]),
+                                             math_sdpa_as_fused)
+        total[length] = kernel_op_counts(entry, sample, math_sdpa_as_fused)
+    return forward, total
+
+
+def encoder_call_record(forward, total, l1, l2):
+    """One encoder's JSON record: calls at L1 and L2, per time step and fixed (module docstring)."""
+    calls = {"forward": [sum(forward[n].values()) for n in (l1, l2)],
+             "total": [sum(total[n].values()) for n in (l1, l2)]}
+    step = {kind: (c[1] - c[0]) / (l2 - l1) for kind, c in calls.items()}
+    step["backward"] = step["total"] - step["forward"]
+    return {"calls": calls, "per_step": {k: step[k] for k in ("forward", "backward", "total")},
+            "fixed": {kind: c[0] - l1 * step[kind] for kind, c in calls.items()}}
+
+
+def count_ops(encoders, cfg, d, device):
+    """Kernel calls per encoder time step, forward and backward, of each encoder entry
+    (``encoder_entry``), and the RIM / LSTM ratios (module docstring)."""
+    l1, l2 = count_lengths(cfg.lengths)
+    bsz = max(cfg.tokens // l2, 1)
+    emulating = device.type != "cuda"
+    gen = torch.Generator().manual_seed(cfg.seed)
+    samples = {length: training_sample(length, bsz, d, gen, device) for length in (l1, l2)}
+    record = {"path": "cuda, emulated on the cpu" if emulating else "cuda", "lengths": [l1, l2], "batch": bsz,
+              "encoders": {}}
+    with device_paths.emulate("cuda") if emulating else contextlib.nullcontext():
+        for e in encoders:
+            forward, total = encoder_op_counts(e, samples, math_sdpa_as_fused=emulating)
+            record["encoders"][e["name"]] = encoder_call_record(forward, total, l1, l2)
+            if e["name"] == "rim_lstm_encoder":
+                top = sorted(per_step(total, l1, l2).items(), key=lambda kv: (-kv[1], kv[0]))[:COUNT_TOP]
+                record["rim_top_ops_per_step"] = dict(top)
+    rim, lstm = record["encoders"]["rim_lstm_encoder"], record["encoders"]["lstm_encoder"]
+    record["ratios"] = {
+        "per_step": {k: rim["per_step"][k] / lstm["per_step"][k] if lstm["per_step"][k] > 0 else None
+                     for k in rim["per_step"]},
+        "calls": {k: [r / s for r, s in zip(rim["calls"][k], lstm["calls"][k])] for k in rim["calls"]},
+    }
+    return record
+
+
+def format_count_table(counted):
+    """The --count-ops table: calls per step, totals at L1 and L2, ratios; the RIM's top calls."""
+    l1, l2 = counted["lengths"]
+    header = (f"{'encoder':<8} {'forward/step':>12} {'backward/step':>13} {'total/step':>10} "
+              f"{f'fwd L={l1}':>10} {f'total L={l1}':>12} {f'fwd L={l2}':>10} {f'total L={l2}':>12}")
+    lines = [header, "-" * len(header)]
+    for label, name in (("LSTM", "lstm_encoder"), ("RIM", "rim_lstm_encoder")):
+        e = counted["encoders"][name]
+        step, calls = e["per_step"], e["calls"]
+        lines.append(f"{label:<8} {step['forward']:>12.2f} {step['backward']:>13.2f} {step['total']:>10.2f} "
+                     f"{calls['forward'][0]:>10d} {calls['total'][0]:>12d} {calls['forward'][1]:>10d} "
+                     f"{calls['total'][1]:>12d}")
+    x_step, x_calls = counted["ratios"]["per_step"], counted["ratios"]["calls"]
+    lines.append(f"{'RIM/LSTM':<8} {ratio_cell(x_step['forward'], 12)} {ratio_cell(x_step['backward'], 13)} "
+                 f"{ratio_cell(x_step['total'], 10)} {ratio_cell(x_calls['forward'][0], 10)} "
+                 f"{ratio_cell(x_calls['total'][0], 12)} {ratio_cell(x_calls['forward'][1], 10)} "
+                 f"{ratio_cell(x_calls['total'][1], 12)}")
+    lines.append(f"per step = (calls at L={l2} - calls at L={l1}) / {l2 - l1}, batch {counted['batch']}; "
+                 "total = forward + backward of the encoder loss;\nbackward = total - forward; "
+                 "RIM/LSTM '-' where the LSTM's count is 0")
+    if counted["encoders"]["lstm_encoder"]["per_step"]["total"] <= 0:
+        lines.append("the LSTM encoder's calls do not grow with length: fairseq's LSTMEncoder runs the whole "
+                     "sequence as one aten::lstm\ncall (cuDNN on a GPU) and its backward as one call per layer "
+                     "and direction; compare the totals")
+    top = counted["rim_top_ops_per_step"]
+    lines.append(f"the RIM encoder's {len(top)} most frequent calls per step (forward + backward):\n  "
+                 + ", ".join(f"{name[6:] if name.startswith('aten::') else name} {n:.2f}" for name, n in top.items()))
+    return lines
+
+
 def get_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,6 +320,11 @@ def get_parser():
                    help="extra rim_lstm flags, e.g. --rim-args='--rim-cell gru' (the LSTM follows "
                         "--rim-layers and --rim-bidirectional)")
     p.add_argument("--no-model", action="store_true", help="time the encoders only, not the whole models")
+    p.add_argument("--no-train", action="store_true", help="skip the timing (e.g. to only --count-ops)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="also count the kernel calls (what a GPU pays in launches; on any device) per encoder "
+                        "time step, forward and backward, of both encoders, from the shortest and the longest "
+                        "of --lengths on a batch of --tokens // the longest")
     p.add_argument("--dict-size", type=int, default=10000, help="symbols of the synthetic dictionary")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
@@ -204,6 +341,8 @@ def main(argv=None):
     device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
     if cfg.quick:
         cfg.rim_args = QUICK_RIM_ARGS + cfg.rim_args
+    if cfg.count_ops:
+        count_lengths(cfg.lengths)  # before anything runs
 
     d = synthetic_dictionary(cfg.dict_size)
     rim, lstm = build_pair(cfg, d, device)
@@ -217,7 +356,8 @@ def main(argv=None):
           f"           {lstm['model'].encoder.output_units} encoder units; encoder "
           f"{lstm['encoder_params'] / 1e6:.3f}M, model {lstm['params'] / 1e6:.3f}M params", flush=True)
 
-    steps = [encoder_entry(lstm), encoder_entry(rim)]
+    encoders = [encoder_entry(lstm), encoder_entry(rim)]
+    steps = list(encoders)
     if not cfg.no_model:
         steps += [lstm, rim]
     results = {
@@ -228,18 +368,28 @@ def main(argv=None):
                    for e in (lstm, rim)},
     }
 
-    print(f"\nforward + backward, train mode, ~{cfg.tokens} tokens/batch, --warmup "
-          f"{' '.join(map(str, cfg.warmup))} untimed and --repeats {' '.join(map(str, cfg.repeats))} "
-          "timed steps each, interleaved (median):", flush=True)
+    if not cfg.no_train:
+        print(f"\nforward + backward, train mode, ~{cfg.tokens} tokens/batch, --warmup "
+              f"{' '.join(map(str, cfg.warmup))} untimed and --repeats {' '.join(map(str, cfg.repeats))} "
+              "timed steps each, interleaved (median):", flush=True)
 
-    def save_partial(rows_so_far):
-        results["train"] = rows_so_far
-        write_json(cfg.json, results)
+        def save_partial(rows_so_far):
+            results["train"] = rows_so_far
+            write_json(cfg.json, results)
 
-    results["train"] = bench(steps, cfg, d, device, on_row=save_partial)
-    print()
-    for line in format_table(results["train"]):
-        print(line)
+        results["train"] = bench(steps, cfg, d, device, on_row=save_partial)
+        print()
+        for line in format_table(results["train"]):
+            print(line)
+
+    if cfg.count_ops:
+        l1, l2 = count_lengths(cfg.lengths)
+        print(f"\nkernel calls per encoder time step (benchmarks/kernel_calls.py; the CUDA code path, "
+              f"{'emulated on the CPU' if device.type != 'cuda' else 'on this GPU'}), train mode, "
+              f"L = {l1} and {l2}, batch {max(cfg.tokens // l2, 1)}:", flush=True)
+        results["kernel_ops"] = count_ops(encoders, cfg, d, device)
+        for line in format_count_table(results["kernel_ops"]):
+            print(line)
     write_json(cfg.json, results)
     print(f"\nresults written to {cfg.json}")
     return results

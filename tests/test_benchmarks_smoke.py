@@ -4,6 +4,9 @@ Runs the script as a user would (a subprocess of this interpreter) and checks it
 ratio the benchmark exists to report is present, finite and positive, the DMA mask was really
 on (gamma > 0), and both models generated the same number of tokens. Any exception in the
 script, a missing field, NaN/inf or a non-positive value fails the test.
+
+The kernel-call counts (``--count-ops``) of bench_dma.py and bench_rim.py are checked here
+too, with the counting rule of benchmarks/kernel_calls.py.
 """
 
 import json
@@ -110,3 +113,67 @@ def test_bench_dma_counts_kernel_ops(tmp_path):
     step = counted["decoding_step"]
     assert 0 < step["transformer"] <= step["dma"] and step["ratio"] == step["dma"] / step["transformer"]
     assert "kernel launches per training step" in proc.stdout and "decoding step" in proc.stdout
+
+
+RIM_SCRIPT = REPO / "benchmarks" / "bench_rim.py"
+
+
+def run_rim_count_ops(tmp_path, *extra):
+    out = tmp_path / f"rim_ops{len(list(tmp_path.iterdir()))}.json"
+    proc = subprocess.run([sys.executable, str(RIM_SCRIPT), "--quick", "--threads", "1", "--count-ops", "--no-train",
+                           "--json", str(out), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_rim_counts_kernel_ops_per_step(tmp_path):
+    results, stdout = run_rim_count_ops(tmp_path)
+    assert "train" not in results  # --no-train: no timing
+    counted = results["kernel_ops"]
+    assert counted["path"] == "cuda, emulated on the cpu"
+    l1, l2 = counted["lengths"]
+    assert (l1, l2) == (8, 16)  # --quick's lengths: the shortest and the longest
+    assert counted["batch"] == results["config"]["tokens"] // l2
+    encoders = counted["encoders"]
+    assert set(encoders) == {"rim_lstm_encoder", "lstm_encoder"}
+    for name, e in encoders.items():
+        forward, total = e["calls"]["forward"], e["calls"]["total"]
+        assert len(forward) == len(total) == 2 and all(isinstance(n, int) for n in forward + total)
+        # forward + backward holds the forward's calls, the loss's and the backward's
+        assert all(0 < f < t for f, t in zip(forward, total)), (name, e["calls"])
+        step = e["per_step"]
+        assert step["forward"] == (forward[1] - forward[0]) / (l2 - l1)
+        assert step["total"] == (total[1] - total[0]) / (l2 - l1)
+        assert step["backward"] == step["total"] - step["forward"]
+        assert e["fixed"] == {"forward": forward[0] - l1 * step["forward"], "total": total[0] - l1 * step["total"]}
+        assert e["fixed"]["forward"] > 0 and e["fixed"]["total"] > e["fixed"]["forward"]  # embedding, loss, ...
+    rim, lstm = encoders["rim_lstm_encoder"], encoders["lstm_encoder"]
+    # The RIM layer runs its recurrence step by step: calls in both directions at every step.
+    assert rim["per_step"]["forward"] > 0 and rim["per_step"]["backward"] > 0
+    # fairseq's LSTMEncoder runs the whole sequence as one aten::lstm call (and one backward)
+    assert 0 <= lstm["per_step"]["total"] < 0.1 * rim["per_step"]["total"]
+    assert lstm["calls"]["total"][1] < rim["calls"]["total"][0]
+    for kind, x in counted["ratios"]["per_step"].items():
+        lstm_step = lstm["per_step"][kind]
+        assert x == (rim["per_step"][kind] / lstm_step if lstm_step > 0 else None)
+    for kind, xs in counted["ratios"]["calls"].items():
+        assert xs == [r / s for r, s in zip(rim["calls"][kind], lstm["calls"][kind])]
+        assert xs[1] > xs[0] > 1  # the RIM's calls grow with length, the LSTM's hardly
+    top = counted["rim_top_ops_per_step"]
+    assert 0 < len(top) <= 8 and all(n > 0 for n in top.values())
+    assert list(top.values()) == sorted(top.values(), reverse=True)
+    assert sum(top.values()) <= rim["per_step"]["total"]
+
+    # Per step is the difference of two lengths' counts: another pair (same batch) gives the same
+    # numbers, so the fixed costs really cancel and each count is of one step at its own length.
+    again, _ = run_rim_count_ops(tmp_path, "--lengths", "4", "16")
+    assert again["kernel_ops"]["lengths"] == [4, 16] and again["kernel_ops"]["batch"] == counted["batch"]
+    for name, e in encoders.items():
+        other = again["kernel_ops"]["encoders"][name]
+        assert other["calls"]["total"][1] == e["calls"]["total"][1]  # the same length 16, counted again
+        for kind, n in e["per_step"].items():
+            assert math.isclose(other["per_step"][kind], n, rel_tol=0.05, abs_tol=0.5), (name, kind)
+
+    assert "kernel calls per encoder time step" in stdout and "forward/step" in stdout
+    assert "most frequent calls per step" in stdout

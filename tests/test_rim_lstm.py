@@ -55,6 +55,7 @@ def test_named_architectures_defaults():
         "rim_cell": "lstm", "rim_input_key_size": 64, "rim_input_value_size": 400, "rim_input_heads": 1,
         "rim_comm_key_size": 32, "rim_comm_value_size": 32, "rim_comm_heads": 4,
         "rim_no_communication": False, "rim_learned_initial_state": False, "rim_attention_dropout": 0.1,
+        "rim_recurrence": "auto", "rim_compile": False,
     }
     # decoder and embeddings as fairseq's lstm_wiseman_iwslt_de_en
     wiseman = model_args("lstm_wiseman_iwslt_de_en")

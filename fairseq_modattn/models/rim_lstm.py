@@ -80,7 +80,7 @@ from fairseq.modules import FairseqDropout
 from fairseq.utils import safe_getattr
 from torch import Tensor, nn
 
-from ..modules.rim import CELL_TYPES, RIMLayer, check_rim_cell
+from ..modules.rim import CELL_TYPES, RECURRENCES, RIMLayer, check_rim_cell
 from .dictionary_fingerprint import RecordsDictionaries
 from .flag_types import finite_float
 
@@ -101,7 +101,8 @@ def validate_rim_args(args):
     if args.rim_layers < 1:
         raise ValueError(f"--rim-layers must be >= 1, got {args.rim_layers}")
     cell = rim_layer_kwargs(args)
-    del cell["bidirectional"], cell["learned_initial_state"]  # nothing to check
+    for unchecked in ("bidirectional", "learned_initial_state", "recurrence", "compile_recurrence"):
+        del cell[unchecked]  # nothing to check (argparse checks --rim-recurrence's choices)
     check_rim_cell(args.encoder_embed_dim, **cell, names=RIM_CELL_FLAGS)
     if args.share_all_embeddings and args.encoder_embed_dim != args.decoder_embed_dim:
         raise ValueError(
@@ -144,6 +145,8 @@ def rim_layer_kwargs(args) -> dict:
         input_dropout=args.rim_attention_dropout,
         comm_dropout=args.rim_attention_dropout,
         learned_initial_state=args.rim_learned_initial_state,
+        recurrence=args.rim_recurrence,
+        compile_recurrence=args.rim_compile,
     )
 
 
@@ -266,6 +269,15 @@ class RIMLSTMModel(RecordsDictionaries, LSTMModel):
                            help="learn each RIM's initial state instead of starting from zeros")
         group.add_argument("--rim-attention-dropout", type=finite_float, metavar="D",
                            help="dropout of the input and communication attention weights")
+        group.add_argument("--rim-recurrence", choices=RECURRENCES,
+                           help="how the time loop runs (LSTM cells): 'fused' is one autograd function with a "
+                                "hand-written backward loop, few kernels per step (modules/rim_recurrence.py); "
+                                "'stepwise' is a RIMCell step per time step under autograd; 'auto' (default) "
+                                "takes 'fused' on a GPU and 'stepwise' on the CPU, where each is faster")
+        group.add_argument("--rim-compile", action="store_true",
+                           help="torch.compile the fused recurrence's forward and backward step (a few fused "
+                                "kernels per step; the first batches compile for minutes); falls back to eager "
+                                "with one log line where torch.compile fails")
 
     @classmethod
     def build_model(cls, args, task):
@@ -359,6 +371,8 @@ def _fill_rim_defaults(args):
     args.rim_no_communication = safe_getattr(args, "rim_no_communication", False)
     args.rim_learned_initial_state = safe_getattr(args, "rim_learned_initial_state", False)
     args.rim_attention_dropout = safe_getattr(args, "rim_attention_dropout", 0.1)
+    args.rim_recurrence = safe_getattr(args, "rim_recurrence", "auto")
+    args.rim_compile = safe_getattr(args, "rim_compile", False)
     # The LSTM-encoder flags a RIM encoder replaces stay None (fairseq's architecture functions
     # keep an attribute that exists), so validate_rim_args can tell that a user set one.
     for dest in REPLACED_ENCODER_FLAGS:

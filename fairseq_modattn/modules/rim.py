@@ -77,12 +77,17 @@ from .group_linear import GroupLinear
 from .group_recurrent_cells import GroupGRUCell, GroupLSTMCell, gru_update, lstm_update
 from .parameter_names import parameter_names
 from .precision import at_least_fp32
+from .device_paths import path_device
+from .rim_recurrence import run_rim_layer
 
 #: (h, c), each (B, n, d_r); c is None for GRU cells
 RIMState = Tuple[Tensor, Optional[Tensor]]
 
 #: the recurrent cell of each RIM (``RIMCell``'s ``cell``)
 CELL_TYPES = ("lstm", "gru")
+
+#: how ``RIMLayer`` runs its time loop (``RIMLayer.uses_fused_recurrence``)
+RECURRENCES = ("auto", "fused", "stepwise")
 
 
 def check_rim_cell(input_size: int, num_rims: int, rim_size: int, top_k: int, *, cell: str = "lstm",
@@ -366,8 +371,13 @@ class RIMLayer(nn.Module):
     """
 
     def __init__(self, input_size: int, num_rims: int, rim_size: int, top_k: int, *,
-                 bidirectional: bool = False, **rim_cell_kwargs):
+                 bidirectional: bool = False, recurrence: str = "auto", compile_recurrence: bool = False,
+                 **rim_cell_kwargs):
         super().__init__()
+        if recurrence not in RECURRENCES:
+            raise ValueError(f"recurrence must be one of {', '.join(RECURRENCES)}, got {recurrence!r}")
+        self.recurrence = recurrence
+        self.compile_recurrence = compile_recurrence
         self.input_size = input_size
         self.num_rims = num_rims
         self.rim_size = rim_size
@@ -385,6 +395,11 @@ class RIMLayer(nn.Module):
         steps_real: Optional[Tensor] = None
         if padding_mask is not None and bool(padding_mask.any()):
             steps_real = ~padding_mask.t()  # (T, B), True = real token
+        if self.uses_fused_recurrence(x):
+            out, final_h, final_c, active = run_rim_layer(self.cells, x, steps_real, self.compile_recurrence)
+            if steps_real is not None:
+                out = out.masked_fill(~steps_real.unsqueeze(-1), 0.0)
+            return out, final_h, final_c, active
         width = self.num_rims * self.rim_size
         state_dtype = x.dtype if x.is_floating_point() else None
 
@@ -421,5 +436,15 @@ class RIMLayer(nn.Module):
             final_c = torch.cat(finals_c, dim=-1) if len(finals_c) > 1 else finals_c[0]
         return out, final_h, final_c, torch.stack(actives, dim=2)
 
+    def uses_fused_recurrence(self, x: Tensor) -> bool:
+        """Whether ``forward(x)`` runs ``rim_recurrence.RIMRecurrence`` (LSTM cells only): always
+        with ``recurrence="fused"``, never with "stepwise", and with "auto" off the CPU
+        (``device_paths.path_device``), where a step's kernel launches are its cost; on the CPU
+        the step-by-step loop, whose autograd backward is faster there, runs."""
+        if self.cells[0].cell_type != "lstm" or self.recurrence == "stepwise":
+            return False
+        return self.recurrence == "fused" or path_device(x) != "cpu"
+
     def extra_repr(self) -> str:
-        return f"output_size={self.output_size}, bidirectional={self.bidirectional}"
+        return (f"output_size={self.output_size}, bidirectional={self.bidirectional}, "
+                f"recurrence={self.recurrence}, compile_recurrence={self.compile_recurrence}")

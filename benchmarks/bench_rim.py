@@ -55,6 +55,12 @@ Kernel calls per encoder time step (``--count-ops``)
     backward, total} and ``fixed`` {forward, total}; ``ratios`` RIM / LSTM (``per_step``, null
     where the LSTM's is 0; ``calls`` at L1 and L2) and ``rim_top_ops_per_step``.
 
+Which recurrence runs: the model's ``--rim-recurrence`` (default ``auto``: the step-by-step
+loop on the CPU, the fused one on a GPU, and so the fused one under ``--count-ops``'s
+emulation of the CUDA path); ``--rim-args="--rim-recurrence fused"`` times the fused loop on
+the CPU. ``--compile`` adds ``--rim-compile`` (``rim_compile_failed`` in the JSON says whether
+compiling failed and the loop ran eagerly).
+
 Output: the table(s) and a JSON file (``--json``, default benchmarks/results/bench_rim.json,
 rewritten after every timed length) with per-repeat times (``train``), the kernel calls
 (``kernel_ops``), parameter counts, versions and the git commit / plugin source hash
@@ -67,6 +73,8 @@ Examples:
     python benchmarks/bench_rim.py --device cuda --repeats 10 --warmup 3
     python benchmarks/bench_rim.py --quick                              # smoke run, seconds
     python benchmarks/bench_rim.py --count-ops --no-train               # kernel calls per time step only
+    python benchmarks/bench_rim.py --count-ops --no-train --rim-args="--rim-recurrence stepwise"
+    python benchmarks/bench_rim.py --count-ops --no-train --compile     # the fused steps compiled (minutes)
 """
 
 import argparse
@@ -332,6 +340,10 @@ def get_parser():
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="CPU: cap the address space (default 90%% of MemAvailable, 0 = no cap)")
     p.add_argument("--quick", action="store_true", help="tiny models and batches: a smoke run")
+    p.add_argument("--compile", action="store_true",
+                   help="build the RIM model with --rim-compile (the fused recurrence's steps compiled by "
+                        "torch.compile; inductor's kernels then record profiler events, so that --count-ops "
+                        "counts them)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     return p
 
@@ -343,6 +355,12 @@ def main(argv=None):
         cfg.rim_args = QUICK_RIM_ARGS + cfg.rim_args
     if cfg.count_ops:
         count_lengths(cfg.lengths)  # before anything runs
+    if cfg.compile:
+        cfg.rim_args = cfg.rim_args + ["--rim-compile"]
+        # before anything compiles: the kernels' profiler events are written into their code
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
 
     d = synthetic_dictionary(cfg.dict_size)
     rim, lstm = build_pair(cfg, d, device)
@@ -390,6 +408,12 @@ def main(argv=None):
         results["kernel_ops"] = count_ops(encoders, cfg, d, device)
         for line in format_count_table(results["kernel_ops"]):
             print(line)
+    if cfg.compile:
+        from fairseq_modattn.modules import rim_recurrence
+
+        results["rim_compile_failed"] = rim_recurrence.compile_failed()
+        if results["rim_compile_failed"]:
+            print("\n--compile: torch.compile failed, the RIM recurrence ran eagerly (from the first failure on)")
     write_json(cfg.json, results)
     print(f"\nresults written to {cfg.json}")
     return results

@@ -147,6 +147,29 @@ def test_extra_left_padding_changes_nothing(flags, build):
             torch.testing.assert_close(h_t[:, i], h_a[:, 0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("flags", [("--rim-bidirectional", "--rim-layers", "2"), ("--rim-cell", "gru")])
+def test_fused_and_stepwise_recurrences_train_the_same(flags, build):
+    """The whole model's loss and every gradient, on a left-padded batch, with either loop."""
+    models = {}
+    for recurrence in ("fused", "stepwise"):
+        model, d = build(*flags, "--rim-recurrence", recurrence)
+        models[recurrence] = model.double()
+    src = left_pad(sentences(d, [7, 4, 2]), d.pad())
+    prev = left_pad(sentences(d, [5, 5, 5], seed=3), d.pad())
+    results = {}
+    for recurrence, model in models.items():
+        assert all(layer.recurrence == recurrence for layer in model.encoder.layers)
+        logits, _ = model(src, torch.tensor([7, 4, 2]), prev)
+        loss = torch.log_softmax(logits, -1)[..., 4].sum()
+        loss.backward()
+        results[recurrence] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (loss_f, grads_f), (loss_s, grads_s) = results["fused"], results["stepwise"]
+    torch.testing.assert_close(loss_f, loss_s, rtol=0, atol=1e-12)
+    assert grads_f.keys() == grads_s.keys()
+    for name in grads_s:
+        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 # ---------------------------------------------------------------------------- decoding
 def test_incremental_decoding_with_reordering_matches_full_forward(build):
     model, d = build("--decoder-layers", "2", "--rim-layers", "2")

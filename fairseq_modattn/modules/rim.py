@@ -55,15 +55,26 @@ update where we (and the paper's prose) read their kept state; we follow the pap
 above. docs/fidelity.md lists every difference from the paper and the reference code, with
 its reason.
 
-``RIMLayer`` runs a ``RIMCell`` over a sequence (the only Python loop is over time) and,
-bidirectionally, a second cell over the reversed sequence. What does not depend on the state is
-computed for all T steps before the loop: the input keys, and the cell's input term of the
-values (the cell's input map is linear, so it commutes with the attention average; see
-``RIMCell.project_input``). Per step there remain one batched matmul of the previous h (cell
-hidden part and input query fused), the two-way input attention, the gate nonlinearities and the
-communication. Measured on this project's 2-core CPU (torch 2.13, forward + backward, B = 64,
-input 256, n = 6 RIMs of 64, top_k 4, min of 7 interleaved runs): 1.8x the time of
-``torch.nn.LSTM(256, 384)`` at T = 32 and 128, uni- and bidirectional.
+``RIMLayer`` runs the recurrence over a sequence (the only Python loop is over time) and,
+bidirectionally, a second cell over the reversed sequence, in one of two ways
+(``recurrence``, the model's ``--rim-recurrence``):
+
+* "stepwise": a ``RIMCell`` step per time step under autograd. What does not depend on the
+  state is computed for all T steps before the loop: the input keys, and the cell's input term
+  of the values (the cell's input map is linear, so it commutes with the attention average;
+  see ``RIMCell.project_input``). Per step there remain one batched matmul of the previous h
+  (cell hidden part and input query fused), the two-way input attention, the gate
+  nonlinearities and the communication: ~34 kernel calls forward and ~70 backward in the
+  model's configuration.
+* "fused" (``rim_recurrence.py``): the same equations as one autograd function whose
+  backward loop is written by hand, ~55 calls a step in all (~16 compiled,
+  ``compile_recurrence``). On a GPU the launches are the cost; on the 2-core CPU the
+  step-by-step loop is faster (autograd's per-op backward there beats the fused loop's
+  larger precomputed tensors). "auto" (the default) takes "fused" off the CPU.
+
+Measured on this project's 2-core CPU (torch 2.13, forward + backward, input 256, n = 6 RIMs of
+100, top_k 4, attention dropout 0.1, min of 7 interleaved runs), against ``torch.nn.LSTM(256,
+600)``: "stepwise" 1.09x (T = 32, B = 128) and 1.59x (T = 128, B = 32); "fused" 1.48x and 1.94x.
 """
 
 from typing import List, Mapping, Optional, Tuple
@@ -437,11 +448,11 @@ class RIMLayer(nn.Module):
         return out, final_h, final_c, torch.stack(actives, dim=2)
 
     def uses_fused_recurrence(self, x: Tensor) -> bool:
-        """Whether ``forward(x)`` runs ``rim_recurrence.RIMRecurrence`` (LSTM cells only): always
-        with ``recurrence="fused"``, never with "stepwise", and with "auto" off the CPU
+        """Whether ``forward(x)`` runs ``rim_recurrence.RIMRecurrence``: always with
+        ``recurrence="fused"``, never with "stepwise", and with "auto" off the CPU
         (``device_paths.path_device``), where a step's kernel launches are its cost; on the CPU
         the step-by-step loop, whose autograd backward is faster there, runs."""
-        if self.cells[0].cell_type != "lstm" or self.recurrence == "stepwise":
+        if self.recurrence == "stepwise":
             return False
         return self.recurrence == "fused" or path_device(x) != "cpu"
 

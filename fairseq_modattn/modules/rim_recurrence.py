@@ -1,10 +1,12 @@
 """A whole RIM layer's recurrence as one autograd function: a forward loop and a hand-written
-backward loop of a few batched kernels per time step (``RIMRecurrence``).
+backward loop of a few batched kernels per time step (``RIMRecurrence``), for LSTM and GRU
+cells.
 
-``RIMCell.step`` (rim.py) computes one step with ~37 ATen calls, and autograd adds ~75 more
-in backward: on a GPU, where each call is a kernel launch of ~10 µs, the step runs at the
-speed of its launches. This module computes the same equations (rim.py's docstring) with
-fewer calls, by three exact rewrites and one change of where work happens:
+``RIMCell.step`` (rim.py) computes one step with ~34 ATen calls, and autograd adds ~70 more
+in backward (the model's configuration): on a GPU, where each call is a kernel launch of
+~10 µs, the step runs at the speed of its launches. This module computes the same equations
+(rim.py's docstring) with ~24 calls forward and ~31 backward, by three exact rewrites and one
+change of where work happens:
 
 1. Two-way input attention is a sigmoid. RIM k attends over [null, x_t] only, so with
    s = q_k . (k_x - k_null) / sqrt(d_k) its probabilities are p_null = sigmoid(-s) and
@@ -13,11 +15,13 @@ fewer calls, by three exact rewrites and one change of where work happens:
    (x_t W^k) / sqrt(d_k): both are state-independent and are computed for all T steps before
    the loop. Per step, s is one batched (1 x d_r) @ (d_r x H) product for all RIMs.
 2. The cell input is affine in p_x. The cell's input map is linear (``RIMCell.project_input``),
-   so RIM k's input pre-activation is p_null g_null + p_x g_x = g_null + p_x (g_x - g_null);
+   so RIM k's input pre-activation (the LSTM's gates, a GRU's input side) is
+   p_null g_null + p_x g_x = g_null + p_x (g_x - g_null);
    with input-attention dropout masks m (drawn for all steps at once),
    m_null p_null g_null + m_x p_x g_x = m_null g_null + p_x (m_x g_x - m_null g_null).
-   The addend (with the cell's bias) and the difference are precomputed; per step the gates
-   are one baddbmm of the previous h plus one addcmul (or baddbmm over heads) of p_x.
+   The addend (with the cell's bias) and the difference are precomputed; per step the
+   pre-activations are one baddbmm of the previous h plus one addcmul (or a batched product
+   over heads) of p_x.
 3. Selection ranks by the heads' summed p_x, descending, where rim.py ranks by their mean
    p_null, ascending: the same order (mean p_null = 1 - sum p_x / H); a stable sort keeps the
    lower RIM index first on ties, as there.
@@ -35,6 +39,14 @@ Numerics: the loop computes in fp32 (fp64 for fp64 inputs) whatever the input dt
 autocast off (a recurrence accumulates rounding over T steps; rim.py's softmaxes were fp32
 already). Inactive RIMs keep their state with ``torch.where``: bit-exact, and their discarded
 update gets no gradient.
+
+Compiled (``compiled=True``, the model's ``--rim-compile``): the two step functions,
+``_forward_step`` and ``_backward_step``, go through ``torch.compile(fullgraph=True,
+dynamic=True)``; each becomes a few fused kernels around its matmuls, ~16 calls a step in all.
+Being functions of tensors without autograd (the backward is the hand-written one), they
+compile as plain inference graphs, with no backward derived by AOTAutograd (torch 2.13's CPU
+inductor has produced wrong gradients on such a derived backward of RIM-like gate code). A
+failure to compile is logged once and the steps run eagerly.
 """
 
 import inspect
@@ -51,6 +63,7 @@ logger = logging.getLogger(__name__)
 class RecurrenceShape(NamedTuple):
     """What the loop needs to know besides tensors (static for a layer)."""
 
+    cell: str  # "lstm" or "gru"
     num_directions: int
     num_rims: int  # n, per direction
     top_k: int
@@ -65,6 +78,13 @@ def _tanh_backward(grad: Tensor, output: Tensor, out: Optional[Tensor] = None) -
     if out is None:
         return torch.ops.aten.tanh_backward(grad, output)
     return torch.ops.aten.tanh_backward.grad_input(grad, output, grad_input=out)
+
+
+def _sigmoid_backward(grad: Tensor, output: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """grad * output * (1 - output), the gradient through output = sigmoid(input)."""
+    if out is None:
+        return torch.ops.aten.sigmoid_backward(grad, output)
+    return torch.ops.aten.sigmoid_backward.grad_input(grad, output, grad_input=out)
 
 
 def _into(out: Tensor, fn, *args, **kwargs) -> None:
@@ -95,59 +115,76 @@ def _select(shape: RecurrenceShape, p: Tensor, real: Tensor, active: Tensor) -> 
 
 
 class _Buffers(NamedTuple):
-    """What the forward loop writes, one (T, ...) tensor per quantity (the backward loop reads
-    them; c has T + 1 entries, c[t] being the state before step t)."""
+    """What the forward loop writes, one (T, ...) tensor per quantity, for the backward loop.
 
-    active: Tensor  # (T, m, B) bool
-    h: Tensor  # (T, m, B, d) the state after each step (the layer's outputs)
-    c: Tensor  # (T + 1, m, B, d)
-    sig: Tensor  # (T, m, B, 4d) sigmoid of all four gates
-    tanh_g: Tensor  # (T, m, B, d)
-    tanh_c: Tensor  # (T, m, B, d)
-    p: Tensor  # (T, m, B, H) input attention to x
-    h_next: Optional[Tensor]  # (T, m, B, d) after the cell update, before communication
-    qkv: Optional[Tensor]  # (T, m, B, 2 ck + cv)
-    weights: Optional[Tensor]  # (T, D, n, n, B, Hc) communication softmax, before dropout
-    read: Optional[Tensor]  # (T, m, B, cv) communication read, after dropout
+    ============ =============================== ====================================
+    field        LSTM                            GRU
+    ============ =============================== ====================================
+    sig          sigmoid of i, f, g, o (4 d)     sigmoid of r, z (2 d)
+    cand         tanh(g)                         n = tanh(...)
+    aux          tanh(c')                        h - n
+    hidden       -                               h U + b_h, the hidden pre-activation (3 d)
+    c            c before (T + 1 steps)          -
+    ============ =============================== ====================================
+
+    and for both: active (T, m, B) bool, h (T, m, B, d) the state after each step (the layer's
+    outputs), p (T, m, B, H) the attention to x, and with communication h_next (before it),
+    qkv, the softmax weights (T, D, n, n, B, Hc), their dropped-out form and the read.
+    """
+
+    active: Tensor
+    h: Tensor
+    c: Optional[Tensor]
+    sig: Tensor
+    cand: Tensor
+    aux: Tensor
+    hidden: Optional[Tensor]
+    p: Tensor
+    h_next: Optional[Tensor]
+    qkv: Optional[Tensor]
+    weights: Optional[Tensor]
+    dropped: Optional[Tensor]
+    read: Optional[Tensor]
 
     @classmethod
-    def allocate(cls, shape: RecurrenceShape, steps: int, h: Tensor, heads: int, save: bool) -> "_Buffers":
-        """With ``save``, room for every step; without (no backward will run), the outputs,
-        and one step's room for the rest (c alternates between two)."""
+    def allocate(cls, shape: RecurrenceShape, steps: int, h: Tensor, heads: int, dropout: bool,
+                 save: bool) -> "_Buffers":
+        """With ``save``, room for every step; without (no backward will run), the outputs and
+        one step's room for the rest (c alternates between two)."""
         m, batch, d = h.shape
         room = steps if save else 1
         new = h.new_empty
-        comm = shape.communication
+        lstm, comm = shape.cell == "lstm", shape.communication
         dirs, n, hc = shape.num_directions, shape.num_rims, shape.comm_heads
         return cls(
             active=torch.zeros(steps, m, batch, dtype=torch.bool, device=h.device),
             h=new(steps, m, batch, d),
-            c=new(steps + 1 if save else 2, m, batch, d),
-            sig=new(room, m, batch, 4 * d),
-            tanh_g=new(room, m, batch, d),
-            tanh_c=new(room, m, batch, d),
+            c=new(steps + 1 if save else 2, m, batch, d) if lstm else None,
+            sig=new(room, m, batch, (4 if lstm else 2) * d),
+            cand=new(room, m, batch, d),
+            aux=new(room, m, batch, d),
+            hidden=None if lstm else new(room, m, batch, 3 * d),
             p=new(room, m, batch, heads),
             h_next=new(room, m, batch, d) if comm else None,
             qkv=new(room, m, batch, 2 * shape.comm_key_size + shape.comm_value_size) if comm else None,
             weights=new(room, dirs, n, n, batch, hc) if comm else None,
+            dropped=new(room, dirs, n, n, batch, hc) if comm and dropout else None,
             read=new(room, m, batch, shape.comm_value_size) if comm else None,
         )
 
     def at(self, t: int, save: bool) -> "_Buffers":
         """Step t's views (c: the state after step t)."""
         i = t if save else 0
-        return _Buffers(self.active[t], self.h[t], self.c[t + 1 if save else (t + 1) % 2],
-                        *(None if b is None else b[i] for b in self[3:]))
+        c = None if self.c is None else self.c[t + 1 if save else (t + 1) % 2]
+        return _Buffers(self.active[t], self.h[t], c, *(None if b is None else b[i] for b in self[3:]))
 
 
-def _forward_step(shape: RecurrenceShape, h, c, real_t, addend_t, diff_t, u_t, c_u_t, mask_t, w_h, w_qkv, b_qkv,
-                  w_o, b_o, out: _Buffers):
-    """One step from state (h, c) (m, B, d): writes the active set, the new state and what
-    backward needs into step t's views ``out`` (``_Buffers.at``)."""
+def _forward_step(shape: RecurrenceShape, h, c, real_t, mask_t, addend_t, diff_t, u_t, c_u_t, w_h, b_h, w_qkv,
+                  b_qkv, w_o, b_o, out: _Buffers):
+    """One step from state (h, c) (m, B, d; c None for GRU): writes the active set, the new
+    state and what backward needs into step t's views ``out`` (``_Buffers.at``)."""
     m, batch, d = h.shape
     heads = u_t.size(-1)
-    dirs, n, hc = shape.num_directions, shape.num_rims, shape.comm_heads
-    ck, cv = shape.comm_key_size, shape.comm_value_size
 
     # input attention: s = h . u_t + c_t for every RIM and head, p_x = sigmoid(s)
     s = torch.baddbmm(c_u_t.view(m * batch, 1, heads), h.reshape(m * batch, 1, d), u_t.view(m * batch, d, heads))
@@ -155,59 +192,76 @@ def _forward_step(shape: RecurrenceShape, h, c, real_t, addend_t, diff_t, u_t, c
     _select(shape, p, real_t, out.active)
     a = out.active.unsqueeze(-1)  # (m, B, 1)
 
-    # gates = addend + h W_h + p_x * diff (summed over heads)
-    gates = torch.baddbmm(addend_t, h, w_h)  # (m, B, 4d)
-    if heads == 1:
-        gates.addcmul_(p, diff_t.view(m, batch, -1))
+    if shape.cell == "lstm":
+        # gates = addend + h W_h + p_x diff (summed over heads)
+        gates = torch.baddbmm(addend_t, h, w_h)  # (m, B, 4d)
+        if heads == 1:
+            gates.addcmul_(p, diff_t.view(m, batch, -1))
+        else:
+            width = gates.size(-1)
+            gates = torch.baddbmm(gates.view(m * batch, 1, width), p.view(m * batch, 1, heads),
+                                  diff_t.view(m * batch, heads, width)).view(m, batch, width)
+        sig = torch.sigmoid(gates, out=out.sig)
+        tanh_g = torch.tanh(gates[..., 2 * d:3 * d], out=out.cand)
+        i, f, _, o = sig.view(m, batch, 4, d).unbind(2)
+        c_upd = f * c
+        c_upd.addcmul_(i, tanh_g)
+        torch.where(a, c_upd, c, out=out.c)
+        h_upd = o * torch.tanh(c_upd, out=out.aux)
     else:
-        width = gates.size(-1)
-        gates = torch.baddbmm(gates.view(m * batch, 1, width), p.view(m * batch, 1, heads),
-                              diff_t.view(m * batch, heads, width)).view(m, batch, width)
-    sig = torch.sigmoid(gates, out=out.sig)
-    tanh_g = torch.tanh(gates[..., 2 * d:3 * d], out=out.tanh_g)
-    i, f, _, o = sig.view(m, batch, 4, d).unbind(2)
-    c_upd = f * c
-    c_upd.addcmul_(i, tanh_g)
-    tanh_c = torch.tanh(c_upd, out=out.tanh_c)
-    torch.where(a, c_upd, c, out=out.c)
-    if not shape.communication:
-        torch.where(a, o * tanh_c, h, out=out.h)
-        return
+        # input side gi = addend + p_x diff, hidden side gh = h U + b_h; torch.nn.GRUCell's update
+        gh = torch.bmm(h, w_h, out=out.hidden) if b_h is None else torch.baddbmm(b_h, h, w_h, out=out.hidden)
+        if heads == 1:
+            gi = torch.addcmul(addend_t, p, diff_t.view(m, batch, -1))
+        else:
+            gi = torch.bmm(p.view(m * batch, 1, heads), diff_t.view(m * batch, heads, -1)).view(m, batch, -1)
+            gi = gi.add_(addend_t)
+        rz = torch.sigmoid(gi[..., :2 * d] + gh[..., :2 * d], out=out.sig)
+        r, z = rz[..., :d], rz[..., d:]
+        cand = torch.tanh(torch.addcmul(gi[..., 2 * d:], r, gh[..., 2 * d:]), out=out.cand)
+        h_upd = torch.addcmul(cand, z, torch.sub(h, cand, out=out.aux))  # n + z (h - n)
 
+    if not shape.communication:
+        torch.where(a, h_upd, h, out=out.h)
+        return
     # communication: h_t = h_next + [active] W_o read(h_next)
-    h_next = torch.where(a, o * tanh_c, h, out=out.h_next)
+    dirs, n, hc, ck, cv = (shape.num_directions, shape.num_rims, shape.comm_heads, shape.comm_key_size,
+                           shape.comm_value_size)
+    h_next = torch.where(a, h_upd, h, out=out.h_next)
     qkv = torch.baddbmm(b_qkv, h_next, w_qkv, out=out.qkv)  # (m, B, 2ck + cv); q is pre-scaled
     q = qkv[..., :ck].view(dirs, n, 1, batch, hc, -1)
     k = qkv[..., ck:2 * ck].view(dirs, 1, n, batch, hc, -1)
     v = qkv[..., 2 * ck:].view(dirs, 1, n, batch, hc, -1)
     weights = out.weights  # (D, n_query, n_key, B, Hc)
     _into(weights, torch.softmax, (q * k).sum(-1), dim=2)
-    dropped = weights if mask_t is None else weights * mask_t
-    read = out.read
-    _into(read.view(dirs, n, batch, hc, -1), torch.sum, dropped.unsqueeze(-1) * v, dim=2)
-    torch.where(a, torch.baddbmm(b_o, read, w_o).add_(h_next), h_next, out=out.h)
+    dropped = weights if mask_t is None else torch.mul(weights, mask_t, out=out.dropped)
+    _into(out.read.view(dirs, n, batch, hc, -1), torch.sum, dropped.unsqueeze(-1) * v, dim=2)
+    torch.where(a, torch.baddbmm(b_o, out.read, w_o).add_(h_next), h_next, out=out.h)
 
 
-def _backward_step(shape: RecurrenceShape, dh, dc, zero, grad_t, active_t, c_prev_t, sig, tanh_g, tanh_c, p,
-                   qkv, weights, mask_t, diff_t, u_t, dout_t, dqkv_t, dgates_t, ds_t, w_h_t, w_qkv_t, w_o_t):
+def _backward_step(shape: RecurrenceShape, dh, dc, zero, grad_t, mask_t, diff_t, u_t, saved: _Buffers, c_prev_t,
+                   d_in_t, d_hid_t, ds_t, dqkv_t, dout_t, w_h_t, w_qkv_t, w_o_t):
     """One step of the backward loop: from the gradients dh, dc of the state after step t to
-    those of the state before it; writes the step's gradients of the communication output
-    (``dout_t``), of qkv (``dqkv_t``), of the gate pre-activations (``dgates_t`` (m, B, 4, d))
-    and of s (``ds_t``), which the parameter gradients are formed from after the loop. ``zero``
-    is a 0-dim zero of the gradients' dtype (``where`` with ``out=`` takes no Python scalar)."""
+    those of the state before it (dc None for GRU). Writes the step's gradients of the
+    input-side pre-activations (``d_in_t``), of the hidden side (``d_hid_t``; None for LSTM,
+    whose two sides are summed: ``d_in_t`` is both, and passing one buffer twice would alias
+    two mutated inputs of a compiled step), of s (``ds_t``), of qkv (``dqkv_t``) and of the
+    communication output (``dout_t``); the parameter gradients are formed from them after the
+    loop. ``saved``: step t's ``_Buffers`` views. ``zero`` is a 0-dim zero of the gradients'
+    dtype (``where`` with ``out=`` takes no Python scalar)."""
     m, batch, d = dh.shape
     heads = u_t.size(-1)
-    dirs, n, hc = shape.num_directions, shape.num_rims, shape.comm_heads
-    ck = shape.comm_key_size
-    a = active_t.unsqueeze(-1)
+    a = saved.active.unsqueeze(-1)
     gh = dh + grad_t
     if shape.communication:
+        dirs, n, hc, ck = shape.num_directions, shape.num_rims, shape.comm_heads, shape.comm_key_size
         torch.where(a, gh, zero, out=dout_t)
         d_read = torch.bmm(dout_t, w_o_t).view(dirs, n, 1, batch, hc, -1)
+        qkv, weights = saved.qkv, saved.weights
         q = qkv[..., :ck].view(dirs, n, 1, batch, hc, -1)
         k = qkv[..., ck:2 * ck].view(dirs, 1, n, batch, hc, -1)
         v = qkv[..., 2 * ck:].view(dirs, 1, n, batch, hc, -1)
-        dropped = weights if mask_t is None else weights * mask_t
+        dropped = weights if mask_t is None else saved.dropped
         d_dropped = (d_read * v).sum(-1)  # (D, n, n, B, Hc)
         _into(dqkv_t[..., 2 * ck:].view(dirs, n, batch, hc, -1), torch.sum, dropped.unsqueeze(-1) * d_read, dim=1)
         if mask_t is not None:
@@ -219,42 +273,59 @@ def _backward_step(shape: RecurrenceShape, dh, dc, zero, grad_t, active_t, c_pre
     else:
         dh_next = gh
 
-    # the LSTM update by hand; inactive RIMs get zero gate gradients and pass dh, dc through
-    sig = sig.view(m, batch, 4, d)
-    i, f, _, o = sig.unbind(2)
-    dc_upd = dc + _tanh_backward(dh_next * o, tanh_c)
-    _into(dgates_t[:, :, 0], torch.mul, dc_upd, tanh_g)
-    _into(dgates_t[:, :, 1], torch.mul, dc_upd, c_prev_t)
-    _into(dgates_t[:, :, 3], torch.mul, dh_next, tanh_c)
-    d_tanh_g = dc_upd * i
-    torch.ops.aten.sigmoid_backward.grad_input(dgates_t, sig, grad_input=dgates_t)
-    _into(dgates_t[:, :, 2], _tanh_backward, d_tanh_g, tanh_g)
-    torch.where(a.unsqueeze(-1), dgates_t, zero, out=dgates_t)
-    dc = torch.where(a, dc_upd * f, dc)
-    dh = torch.where(a, zero, dh_next)
-    dg_flat = dgates_t.view(m, batch, 4 * d)
-    dh = torch.baddbmm(dh, dg_flat, w_h_t)
+    # the cell update by hand; inactive RIMs get zero pre-activation gradients and pass dh
+    # (and dc) through unchanged
+    if shape.cell == "lstm":
+        sig = saved.sig.view(m, batch, 4, d)
+        i, f, _, o = sig.unbind(2)
+        dc_upd = dc + _tanh_backward(dh_next * o, saved.aux)
+        dg = d_in_t.view(m, batch, 4, d)
+        _into(dg[:, :, 0], torch.mul, dc_upd, saved.cand)
+        _into(dg[:, :, 1], torch.mul, dc_upd, c_prev_t)
+        _into(dg[:, :, 3], torch.mul, dh_next, saved.aux)
+        d_tanh_g = dc_upd * i
+        _sigmoid_backward(dg, sig, out=dg)
+        _into(dg[:, :, 2], _tanh_backward, d_tanh_g, saved.cand)
+        torch.where(a, d_in_t, zero, out=d_in_t)
+        dc = torch.where(a, dc_upd * f, dc)
+        dh = torch.where(a, zero, dh_next)
+        d_hid_t = d_in_t
+    else:
+        r, z = saved.sig[..., :d], saved.sig[..., d:]
+        dh_z = dh_next * z
+        _into(d_in_t[..., d:2 * d], torch.mul, dh_next, saved.aux)  # dz = dh (h - n)
+        d_cand = d_in_t[..., 2 * d:]
+        _into(d_cand, _tanh_backward, dh_next - dh_z, saved.cand)  # dn = dh (1 - z), through tanh
+        _into(d_in_t[..., :d], torch.mul, d_cand, saved.hidden[..., 2 * d:])  # dr
+        _into(d_in_t[..., :2 * d], _sigmoid_backward, d_in_t[..., :2 * d], saved.sig)
+        _into(d_hid_t[..., 2 * d:], torch.mul, d_cand, r)
+        d_hid_t[..., :2 * d].copy_(d_in_t[..., :2 * d])
+        torch.where(a, d_in_t, zero, out=d_in_t)
+        torch.where(a, d_hid_t, zero, out=d_hid_t)
+        dh = torch.where(a, dh_z, dh_next)
+    dh = torch.baddbmm(dh, d_hid_t, w_h_t)
 
-    # the input attention: the gates depend on h through p_x = sigmoid(h . u + c)
-    dp = torch.bmm(diff_t.view(m * batch, heads, -1), dg_flat.view(m * batch, -1, 1))  # (m B, H, 1)
-    torch.ops.aten.sigmoid_backward.grad_input(dp.view(m, batch, heads), p, grad_input=ds_t)
+    # the input attention: the pre-activations depend on h through p_x = sigmoid(h . u + c)
+    dp = torch.bmm(diff_t.view(m * batch, heads, -1), d_in_t.view(m * batch, -1, 1))  # (m B, H, 1)
+    _sigmoid_backward(dp.view(m, batch, heads), saved.p, out=ds_t)
     dh = torch.baddbmm(dh.view(m * batch, 1, d), ds_t.view(m * batch, 1, heads),
                        u_t.transpose(-1, -2).reshape(m * batch, heads, d)).view(m, batch, d)
     return dh, dc
 
 
-def _forward_loop(shape: RecurrenceShape, real, addend, diff, u, c_u, w_h, w_qkv, b_qkv, w_o, b_o,
-                  comm_mask, h, c, save: bool, step=_forward_step) -> _Buffers:
+def _forward_loop(shape: RecurrenceShape, real, comm_mask, addend, diff, u, c_u, w_h, b_h, w_qkv, b_qkv, w_o, b_o,
+                  h, c, save: bool, step=_forward_step) -> _Buffers:
     """The recurrence from (h, c): the ``_Buffers`` it wrote (with ``save``, every step's)."""
     steps = diff.size(0)
-    buffers = _Buffers.allocate(shape, steps, h, u.size(-1), save)
-    buffers.c[0].copy_(c)
-    c = buffers.c[0]
+    buffers = _Buffers.allocate(shape, steps, h, u.size(-1), comm_mask is not None, save)
+    if c is not None:
+        buffers.c[0].copy_(c)
+        c = buffers.c[0]
     for t in range(steps):
         addend_t = addend[0] if addend.size(0) == 1 else addend[t]
         mask_t = None if comm_mask is None else comm_mask[t]
         out = buffers.at(t, save)
-        step(shape, h, c, real[t], addend_t, diff[t], u[t], c_u[t], mask_t, w_h, w_qkv, b_qkv, w_o, b_o, out)
+        step(shape, h, c, real[t], mask_t, addend_t, diff[t], u[t], c_u[t], w_h, b_h, w_qkv, b_qkv, w_o, b_o, out)
         h, c = out.h, out.c
     return buffers
 
@@ -323,80 +394,93 @@ def _step_functions(compiled: bool):
 
 
 class RIMRecurrence(torch.autograd.Function):
-    """(shape, compiled, real, addend, diff, u, c_u, w_h, w_qkv, b_qkv, w_o, b_o, comm_mask, h0, c0) ->
-    (hs (T, m, B, d), c_last (m, B, d), active (T, m, B) bool).
+    """(shape, compiled, real, comm_mask, addend, diff, u, c_u, w_h, b_h, w_qkv, b_qkv, w_o, b_o,
+    h0, c0) -> (hs (T, m, B, d), c_last (m, B, d) or None, active (T, m, B) bool).
 
-    real (T, D, 1, B) bool; addend (T or 1, m, B or 1, 4d); diff (T, m, B, H, 4d); u (T, m, B,
-    d, H); c_u (T, m, B, H); w_h (m, d, 4d); w_qkv (m, d, 2ck + cv) with the query columns
-    scaled by the communication's 1 / sqrt(d_c); b_qkv (m, 1, 2ck + cv); w_o (m, cv, d); b_o
-    (m, 1, d); comm_mask (T, D, n, n, B, Hc) or None; h0, c0 (m, B, d). The module docstring
-    gives the equations; all floating tensors share one dtype (fp32 or fp64). ``compiled``:
-    run the two step functions through ``torch.compile`` (``_step_functions``).
+    real (T, D, 1, B) bool; comm_mask (T, D, n, n, B, Hc) or None; addend (T or 1, m, B or 1,
+    G) the input-side pre-activation's constant part (LSTM: with the cell's bias); diff (T, m,
+    B, H, G); u (T, m, B, d, H); c_u (T, m, B, H); w_h (m, d, G_h) and b_h (m, 1, G_h) or None
+    the hidden side (LSTM: G_h = G = 4d, b_h None; GRU: G = G_h = 3d); w_qkv (m, d, 2ck + cv)
+    with the query columns scaled by the communication's 1 / sqrt(d_c); b_qkv (m, 1, 2ck +
+    cv); w_o (m, cv, d); b_o (m, 1, d) (the four None without communication); h0, c0 (m, B,
+    d) (c0 None for GRU). The module docstring gives the equations; all floating tensors share
+    one dtype (fp32 or fp64). ``compiled``: the step functions through ``torch.compile``.
     """
 
     @staticmethod
-    def forward(ctx, shape, compiled, real, addend, diff, u, c_u, w_h, w_qkv, b_qkv, w_o, b_o, comm_mask, h0, c0):
+    def forward(ctx, shape, compiled, real, comm_mask, addend, diff, u, c_u, w_h, b_h, w_qkv, b_qkv, w_o, b_o, h0, c0):
         save = any(ctx.needs_input_grad)
-        buffers = _forward_loop(shape, real, addend, diff, u, c_u, w_h, w_qkv, b_qkv, w_o, b_o, comm_mask, h0, c0, save,
-                                _step_functions(compiled)[0])
-        hs, active = buffers.h, buffers.active
-        c_last = buffers.c[-1 if save else hs.size(0) % 2].clone()
-        ctx.mark_non_differentiable(active)
+        buffers = _forward_loop(shape, real, comm_mask, addend, diff, u, c_u, w_h, b_h, w_qkv, b_qkv, w_o, b_o,
+                                h0, c0, save, _step_functions(compiled)[0])
+        c_last = None
+        if buffers.c is not None:
+            c_last = buffers.c[-1 if save else diff.size(0) % 2].clone()
+        ctx.mark_non_differentiable(buffers.active)
         ctx.shape, ctx.compiled = shape, compiled
         if save:
-            ctx.save_for_backward(addend, diff, u, w_h, w_qkv, w_o, comm_mask, h0, *buffers)
-        return hs, c_last, active
+            ctx.save_for_backward(comm_mask, addend, diff, u, w_h, w_qkv, w_o, h0, *buffers)
+        return buffers.h, c_last, buffers.active
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_hs, grad_c_last, _grad_active):
         shape = ctx.shape
-        addend, diff, u, w_h, w_qkv, w_o, comm_mask, h0, *rest = ctx.saved_tensors
+        comm_mask, addend, diff, u, w_h, w_qkv, w_o, h0, *rest = ctx.saved_tensors
         saved = _Buffers(*rest)
-        hs, active = saved.h, saved.active
+        hs = saved.h
         steps, m, batch, d = hs.shape
-        comm = shape.communication
+        lstm, comm = shape.cell == "lstm", shape.communication
         if grad_hs is None:
             grad_hs = torch.zeros_like(hs)
-        dc = torch.zeros_like(hs[0]) if grad_c_last is None else grad_c_last
         dh = torch.zeros_like(hs[0])
+        dc = None
+        if lstm:
+            dc = torch.zeros_like(hs[0]) if grad_c_last is None else grad_c_last
         zero = hs.new_zeros(())
+        d_in = hs.new_empty(steps, m, batch, diff.size(-1))
+        d_hid = None if lstm else torch.empty_like(d_in)
+        ds = hs.new_empty(steps, m, batch, u.size(-1))
         w_h_t = w_h.transpose(1, 2)
         w_qkv_t = w_o_t = dqkv = dout = None
         if comm:
             w_qkv_t, w_o_t = w_qkv.transpose(1, 2), w_o.transpose(1, 2)
-            dqkv = hs.new_empty(steps, m, batch, 2 * shape.comm_key_size + shape.comm_value_size)
+            dqkv = hs.new_empty(steps, m, batch, w_qkv.size(-1))
             dout = torch.empty_like(hs)
-        dgates = hs.new_empty(steps, m, batch, 4, d)
-        ds = hs.new_empty(steps, m, batch, u.size(-1))
         step = _step_functions(ctx.compiled)[1]
         for t in range(steps - 1, -1, -1):
-            dh, dc = step(shape, dh, dc, zero, grad_hs[t], active[t], saved.c[t], saved.sig[t], saved.tanh_g[t],
-                          saved.tanh_c[t], saved.p[t], saved.qkv[t] if comm else None,
-                          saved.weights[t] if comm else None, None if comm_mask is None else comm_mask[t], diff[t],
-                          u[t], dout[t] if comm else None, dqkv[t] if comm else None, dgates[t], ds[t], w_h_t,
-                          w_qkv_t, w_o_t)
+            dh, dc = step(shape, dh, dc, zero, grad_hs[t], None if comm_mask is None else comm_mask[t], diff[t], u[t],
+                          saved.at(t, True), None if saved.c is None else saved.c[t], d_in[t],
+                          None if d_hid is None else d_hid[t], ds[t], None if dqkv is None else dqkv[t],
+                          None if dout is None else dout[t], w_h_t, w_qkv_t, w_o_t)
 
         # everything that does not feed the recurrence, over all steps at once
         h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]])
-        dg_all = dgates.view(steps, m, batch, 4 * d)
-        grad_addend = dg_all.sum_to_size(addend.shape) if ctx.needs_input_grad[3] else None
-        grad_diff = (saved.p.unsqueeze(-1) * dg_all.unsqueeze(-2)) if ctx.needs_input_grad[4] else None
-        grad_u = (h_prev.unsqueeze(-1) * ds.unsqueeze(-2)) if ctx.needs_input_grad[5] else None
-        grad_c_u = ds if ctx.needs_input_grad[6] else None
-        grad_w_h = _group_outer(h_prev, dg_all) if ctx.needs_input_grad[7] else None
-        grad_w_qkv = grad_b_qkv = grad_w_o = grad_b_o = None
-        if shape.communication:
-            if ctx.needs_input_grad[8]:
-                grad_w_qkv = _group_outer(saved.h_next, dqkv)
-            if ctx.needs_input_grad[9]:
-                grad_b_qkv = dqkv.sum((0, 2)).unsqueeze(1)
-            if ctx.needs_input_grad[10]:
-                grad_w_o = _group_outer(saved.read, dout)
-            if ctx.needs_input_grad[11]:
-                grad_b_o = dout.sum((0, 2)).unsqueeze(1)
-        return (None, None, None, grad_addend, grad_diff, grad_u, grad_c_u, grad_w_h, grad_w_qkv, grad_b_qkv, grad_w_o,
-                grad_b_o, None, dh, dc)
+        needs = dict(zip(("addend", "diff", "u", "c_u", "w_h", "b_h", "w_qkv", "b_qkv", "w_o", "b_o"),
+                         ctx.needs_input_grad[4:14]))
+        grads = dict.fromkeys(needs)
+        if needs["addend"]:
+            grads["addend"] = d_in.sum_to_size(addend.shape)
+        if needs["diff"]:
+            grads["diff"] = saved.p.unsqueeze(-1) * d_in.unsqueeze(-2)
+        if needs["u"]:
+            grads["u"] = h_prev.unsqueeze(-1) * ds.unsqueeze(-2)
+        if needs["c_u"]:
+            grads["c_u"] = ds
+        d_hid = d_in if d_hid is None else d_hid
+        if needs["w_h"]:
+            grads["w_h"] = _group_outer(h_prev, d_hid)
+        if needs["b_h"]:
+            grads["b_h"] = d_hid.sum((0, 2)).unsqueeze(1)
+        if comm:
+            if needs["w_qkv"]:
+                grads["w_qkv"] = _group_outer(saved.h_next, dqkv)
+            if needs["b_qkv"]:
+                grads["b_qkv"] = dqkv.sum((0, 2)).unsqueeze(1)
+            if needs["w_o"]:
+                grads["w_o"] = _group_outer(saved.read, dout)
+            if needs["b_o"]:
+                grads["b_o"] = dout.sum((0, 2)).unsqueeze(1)
+        return (None, None, None, None, *grads.values(), dh, dc)
 
 
 def _group_outer(inputs: Tensor, grads: Tensor) -> Tensor:
@@ -452,8 +536,12 @@ def _recurrence_inputs(cell, x: Tensor, dtype: torch.dtype):
         values = torch.einsum("tbi,ihv->tbhv", x, w_value)
         diff = torch.einsum("tbhv,khvg->tkbhg", values, w_cell)
 
-    bias = cell.cell.hidden_bias
-    bias = torch.zeros_like(gate_null[:, 0]) if bias is None else bias.to(dtype)  # (n, G)
+    # the constant part of the input-side pre-activation: the input bias, and for LSTM also the
+    # hidden one (its two sides are summed); a GRU's hidden bias stays with U h (b_h)
+    bias = torch.zeros_like(gate_null[:, 0])  # (n, G)
+    for part in (cell.cell.input_bias, cell.cell.hidden_bias if cell.cell_type == "lstm" else None):
+        if part is not None:
+            bias = bias + part.to(dtype)
     if cell.training and cell.input_dropout > 0:
         # dropout of [p_null, p_x] per step, RIM and head, as F.dropout on the probabilities
         keep = torch.nn.functional.dropout(x.new_ones(steps, n, batch, heads, 2), cell.input_dropout, True)
@@ -486,9 +574,9 @@ def _communication_weights(cell, dtype: torch.dtype):
 
 
 def run_rim_layer(cells, x: Tensor, steps_real: Optional[Tensor], compiled: bool = False):
-    """``RIMLayer.forward``'s result for LSTM cells through ``RIMRecurrence``: x (T, B, in),
+    """``RIMLayer.forward``'s result through ``RIMRecurrence``: x (T, B, in),
     steps_real (T, B) bool or None -> outputs (T, B, D n d) (not yet zeroed at padding),
-    final h and c (B, D n d), active (T, B, D, n)."""
+    final h and c (B, D n d; c None for GRU), active (T, B, D, n)."""
     steps, batch, _ = x.shape
     first = cells[0]
     dirs, n, d = len(cells), first.num_rims, first.rim_size
@@ -504,6 +592,9 @@ def run_rim_layer(cells, x: Tensor, steps_real: Optional[Tensor], compiled: bool
         else:
             real = torch.stack([steps_real, steps_real.flip(0)][:dirs], dim=1).unsqueeze(2)
         w_h = torch.cat([cell.cell.hidden_weight.to(dtype) for cell in cells])
+        b_h = None
+        if first.cell_type == "gru" and first.cell.hidden_bias is not None:
+            b_h = torch.cat([cell.cell.hidden_bias.to(dtype) for cell in cells]).unsqueeze(1)
         if first.communication:
             comm = [_communication_weights(cell, dtype) for cell in cells]
             w_qkv, b_qkv, w_o, b_o = (torch.cat([c[i] for c in comm]) for i in range(4))
@@ -511,18 +602,20 @@ def run_rim_layer(cells, x: Tensor, steps_real: Optional[Tensor], compiled: bool
             w_qkv = b_qkv = w_o = b_o = None
         initial = [cell.initial_state(batch, device=x.device, dtype=dtype) for cell in cells]
         h0 = torch.cat([h.transpose(0, 1) for h, _ in initial])
-        c0 = torch.cat([c.transpose(0, 1) for _, c in initial])
-        shape = RecurrenceShape(dirs, n, first.top_k, first.communication, first.comm_heads, first.comm_key_size,
+        c0 = None if first.cell_type == "gru" else torch.cat([c.transpose(0, 1) for _, c in initial])
+        shape = RecurrenceShape(first.cell_type, dirs, n, first.top_k, first.communication, first.comm_heads, first.comm_key_size,
                                 first.comm_value_size)
-        hs, c_last, active = RIMRecurrence.apply(shape, compiled, real, addend, diff, u, c_u, w_h, w_qkv, b_qkv, w_o, b_o,
-                                                 comm_mask, h0, c0)
+        hs, c_last, active = RIMRecurrence.apply(shape, compiled, real, comm_mask, addend, diff, u, c_u, w_h, b_h,
+                                                 w_qkv, b_qkv, w_o, b_o, h0, c0)
     hs = hs.view(steps, dirs, n, batch, d)
     if dirs == 2:
         hs = torch.stack([hs[:, 0], hs[:, 1].flip(0)], dim=1)
     outputs = hs.permute(0, 3, 1, 2, 4).reshape(steps, batch, dirs * n * d).to(x.dtype)
     last = torch.stack([hs[-1, 0]] + ([hs[0, 1]] if dirs == 2 else []))  # each direction's last step
     final_h = last.permute(2, 0, 1, 3).reshape(batch, dirs * n * d).to(x.dtype)
-    final_c = c_last.view(dirs, n, batch, d).permute(2, 0, 1, 3).reshape(batch, dirs * n * d).to(x.dtype)
+    final_c = None
+    if c_last is not None:
+        final_c = c_last.view(dirs, n, batch, d).permute(2, 0, 1, 3).reshape(batch, dirs * n * d).to(x.dtype)
     active = active.view(steps, dirs, n, batch)
     if dirs == 2:
         active = torch.stack([active[:, 0], active[:, 1].flip(0)], dim=1)

@@ -74,7 +74,9 @@ bidirectionally, a second cell over the reversed sequence, in one of two ways
 
 Measured on this project's 2-core CPU (torch 2.13, forward + backward, input 256, n = 6 RIMs of
 100, top_k 4, attention dropout 0.1, min of 7 interleaved runs), against ``torch.nn.LSTM(256,
-600)``: "stepwise" 1.09x (T = 32, B = 128) and 1.59x (T = 128, B = 32); "fused" 1.48x and 1.94x.
+600)``: "stepwise" 1.09-1.12x (T = 32, B = 128) and 1.40-1.59x (T = 128, B = 32); "fused"
+1.48-1.81x and 1.47-1.94x (two sessions of the same day; benchmarks/README.md has the encoder
+benchmark).
 """
 
 from typing import List, Mapping, Optional, Tuple
@@ -379,6 +381,10 @@ class RIMLayer(nn.Module):
 
     Padded steps leave the state unchanged, so any padding pattern (fairseq pads sources on the
     left) gives the same outputs at the real positions as the unpadded sentence.
+
+    ``recurrence``: "stepwise", "fused" or "auto" (module docstring; ``uses_fused_recurrence``);
+    ``compile_recurrence``: the fused loop's steps through ``torch.compile``. Neither changes
+    the results, only how many kernels compute them.
     """
 
     def __init__(self, input_size: int, num_rims: int, rim_size: int, top_k: int, *,

@@ -504,8 +504,8 @@ def _by_rim(per_direction: List[Tensor], rim_dim: int) -> Tensor:
 
 def _recurrence_inputs(cell, x: Tensor, dtype: torch.dtype):
     """One direction's state-independent tensors (module docstring, points 1 and 2):
-    u (T, n, B, d, H), c_u (T, n, B, H), addend (T or 1, n, B or 1, 4d), diff (T, n, B, H, 4d)
-    and the communication dropout mask (T, n, n, B, Hc) or None."""
+    u (T, n, B, d, H), c_u (T, n, B, H), addend (T or 1, n, B or 1, G), diff (T, n, B, H, G)
+    (G = 4d for LSTM, 3d for GRU) and the communication dropout mask (T, n, n, B, Hc) or None."""
     steps, batch, _ = x.shape
     heads, n = cell.input_heads, cell.num_rims
     x = x.to(dtype)
@@ -529,7 +529,10 @@ def _recurrence_inputs(cell, x: Tensor, dtype: torch.dtype):
     gate_null = torch.einsum("hv,khvg->khg", cell.input_value.bias.to(dtype).view(heads, value_width), w_cell)
     w_value = cell.input_value.weight.to(dtype).t().reshape(cell.input_size, heads, value_width)
     rows, width = steps * batch, n * heads * w_cell.size(-1)
-    if rows * cell.input_value_size * (cell.input_size + width) > (cell.input_value_size + rows) * cell.input_size * width:
+    # the cheaper order (``RIMCell.project_input``): compose W^v with the cell's input rows first
+    # when there are many rows, else go through the values
+    value_size, input_size = cell.input_value_size, cell.input_size
+    if rows * value_size * (input_size + width) > (value_size + rows) * input_size * width:
         composed = torch.einsum("ihv,khvg->ikhg", w_value, w_cell).reshape(cell.input_size, width)
         diff = torch.matmul(x, composed).view(steps, batch, n, heads, -1).transpose(1, 2)
     else:
@@ -603,8 +606,8 @@ def run_rim_layer(cells, x: Tensor, steps_real: Optional[Tensor], compiled: bool
         initial = [cell.initial_state(batch, device=x.device, dtype=dtype) for cell in cells]
         h0 = torch.cat([h.transpose(0, 1) for h, _ in initial])
         c0 = None if first.cell_type == "gru" else torch.cat([c.transpose(0, 1) for _, c in initial])
-        shape = RecurrenceShape(first.cell_type, dirs, n, first.top_k, first.communication, first.comm_heads, first.comm_key_size,
-                                first.comm_value_size)
+        shape = RecurrenceShape(first.cell_type, dirs, n, first.top_k, first.communication, first.comm_heads,
+                                first.comm_key_size, first.comm_value_size)
         hs, c_last, active = RIMRecurrence.apply(shape, compiled, real, comm_mask, addend, diff, u, c_u, w_h, b_h,
                                                  w_qkv, b_qkv, w_o, b_o, h0, c0)
     hs = hs.view(steps, dirs, n, batch, d)

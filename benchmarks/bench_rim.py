@@ -53,7 +53,10 @@ Kernel calls per encoder time step (``--count-ops``)
     to it). JSON ``kernel_ops``: ``lengths`` [L1, L2], ``batch``, and per encoder (``rim_lstm_encoder``,
     ``lstm_encoder``) ``calls`` {forward, total: [at L1, at L2]}, ``per_step`` {forward,
     backward, total} and ``fixed`` {forward, total}; ``ratios`` RIM / LSTM (``per_step``, null
-    where the LSTM's is 0; ``calls`` at L1 and L2) and ``rim_top_ops_per_step``.
+    where the LSTM's is 0; ``calls`` at L1 and L2) and ``rim_top_ops_per_step``. When the RIM
+    encoder ran the fused loop (``--rim-recurrence``), the same encoder is counted again on the
+    step-by-step loop, the baseline of the cut: ``stepwise_loop`` (a record like the encoders'),
+    and a line gives the two loops' calls per step and their ratio.
 
 Which recurrence runs: the model's ``--rim-recurrence`` (default ``auto``: the step-by-step
 loop on the CPU, the fused one on a GPU, and so the fused one under ``--count-ops``'s
@@ -259,6 +262,21 @@ def encoder_call_record(forward, total, l1, l2):
             "fixed": {kind: c[0] - l1 * step[kind] for kind, c in calls.items()}}
 
 
+def stepwise_loop_record(entry, samples, emulating, l1, l2):
+    """``encoder_call_record`` of the RIM encoder with every layer on the step-by-step loop
+    (``--rim-recurrence stepwise``), the layers' own setting restored afterwards."""
+    layers = entry["model"].layers
+    settings = [layer.recurrence for layer in layers]
+    try:
+        for layer in layers:
+            layer.recurrence = "stepwise"
+        forward, total = encoder_op_counts(entry, samples, math_sdpa_as_fused=emulating)
+    finally:
+        for layer, setting in zip(layers, settings):
+            layer.recurrence = setting
+    return encoder_call_record(forward, total, l1, l2)
+
+
 def count_ops(encoders, cfg, d, device):
     """Kernel calls per encoder time step, forward and backward, of each encoder entry
     (``encoder_entry``), and the RIM / LSTM ratios (module docstring)."""
@@ -276,6 +294,9 @@ def count_ops(encoders, cfg, d, device):
             if e["name"] == "rim_lstm_encoder":
                 top = sorted(per_step(total, l1, l2).items(), key=lambda kv: (-kv[1], kv[0]))[:COUNT_TOP]
                 record["rim_top_ops_per_step"] = dict(top)
+                if any(layer.recurrence != "stepwise" for layer in e["model"].layers):
+                    # the baseline of the loop's cut: the same encoder on the step-by-step loop
+                    record["stepwise_loop"] = stepwise_loop_record(e, samples, emulating, l1, l2)
     rim, lstm = record["encoders"]["rim_lstm_encoder"], record["encoders"]["lstm_encoder"]
     record["ratios"] = {
         "per_step": {k: rim["per_step"][k] / lstm["per_step"][k] if lstm["per_step"][k] > 0 else None
@@ -309,6 +330,11 @@ def format_count_table(counted):
         lines.append("the LSTM encoder's calls do not grow with length: fairseq's LSTMEncoder runs the whole "
                      "sequence as one aten::lstm\ncall (cuDNN on a GPU) and its backward as one call per layer "
                      "and direction; compare the totals")
+    stepwise = counted.get("stepwise_loop")
+    if stepwise is not None:
+        before, now = stepwise["per_step"]["total"], counted["encoders"]["rim_lstm_encoder"]["per_step"]["total"]
+        lines.append(f"the RIM loop against the step-by-step loop (--rim-recurrence stepwise), calls per step: "
+                     f"{before:.2f} / {now:.2f} = {before / now:.2f} x fewer")
     top = counted["rim_top_ops_per_step"]
     lines.append(f"the RIM encoder's {len(top)} most frequent calls per step (forward + backward):\n  "
                  + ", ".join(f"{name[6:] if name.startswith('aten::') else name} {n:.2f}" for name, n in top.items()))

@@ -160,6 +160,10 @@ def test_bench_rim_counts_kernel_ops_per_step(tmp_path):
     for kind, xs in counted["ratios"]["calls"].items():
         assert xs == [r / s for r, s in zip(rim["calls"][kind], lstm["calls"][kind])]
         assert xs[1] > xs[0] > 1  # the RIM's calls grow with length, the LSTM's hardly
+    # the emulated CUDA path runs the fused loop: the step-by-step loop is counted as its baseline
+    stepwise = counted["stepwise_loop"]["per_step"]
+    assert stepwise["total"] >= 1.5 * encoders["rim_lstm_encoder"]["per_step"]["total"]
+    assert "against the step-by-step loop" in stdout
     top = counted["rim_top_ops_per_step"]
     assert 0 < len(top) <= 8 and all(n > 0 for n in top.values())
     assert list(top.values()) == sorted(top.values(), reverse=True)

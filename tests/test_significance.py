@@ -9,8 +9,14 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.significance import PairedTest
 
 from fairseq_modattn.analysis import AnalysisError
-from fairseq_modattn.analysis.significance import (METRICS, SACREBLEU_SEED, compare_systems, paired_bootstrap,
-                                                   resample_counts, seed_pairs)
+from fairseq_modattn.analysis.significance import (
+    METRICS,
+    SACREBLEU_SEED,
+    compare_systems,
+    paired_bootstrap,
+    resample_counts,
+    seed_pairs,
+)
 
 WORDS = "a man in a blue shirt is riding the red bike down street two dogs play on grass near water".split()
 SAMPLES = 200

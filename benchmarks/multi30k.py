@@ -19,7 +19,8 @@ kept, an interrupted fairseq-train continues from its checkpoint_last.pt):
    fairseq-generate; the attention heads' redundancy LR / HR is measured on it. Each method is
    compared with its family's baseline by paired bootstrap resampling of the test sentences
    (sacreBLEU's paired bootstrap, ``--bootstrap-samples`` resamples; analysis/significance.py):
-   the 95 % interval of the BLEU difference with the seeds pooled, and each seed pair's.
+   the 95 % interval of the BLEU difference with the seeds pooled, and each seed pair's (the
+   JSON also holds the pooled chrF and TER comparisons, ``pooled_chrf`` and ``pooled_ter``).
 
 Several runs go at a time (``--jobs``; the cores are split among them, which is also the
 condition under which tokens/s is measured: the table says so).
@@ -47,7 +48,7 @@ from typing import Dict, List
 
 import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError, scoring
-from fairseq_modattn.analysis.significance import paired_bootstrap, seed_pairs
+from fairseq_modattn.analysis.significance import compare_systems, seed_pairs
 from fairseq_modattn.atomic_files import atomic_path, check_marked_section, write_json_atomically, write_marked_section
 from fairseq_modattn.child_processes import stopping_on_sigterm
 from fairseq_modattn.cli import runs
@@ -248,7 +249,8 @@ def detokenized_translations(generate_output: str, lang: str = "en"):
 
 def compare(results: List[Dict], models: List[str], samples: int, log) -> Dict[str, Dict]:
     """Each model against its family's baseline: the paired bootstrap with all seeds pooled and
-    per seed pair (same seed), on sacreBLEU of the detokenized test translations."""
+    per seed pair (same seed), on sacreBLEU of the detokenized test translations; chrF and TER
+    with the seeds pooled too (``fairseq-modattn compare``'s code, analysis/significance.py)."""
     translations, references = {}, None
     for r in results:
         hyps, refs = detokenized_translations(r["generate_output"])
@@ -262,10 +264,12 @@ def compare(results: List[Dict], models: List[str], samples: int, log) -> Dict[s
             continue
         seeds = sorted(s for (m, s) in translations if m == name and (base, s) in translations)
         system, baseline = [translations[name, s] for s in seeds], [translations[base, s] for s in seeds]
-        pooled = paired_bootstrap(baseline, system, references, samples=samples)
+        metrics = compare_systems([(base, baseline), (name, system)], references, samples=samples)
+        pooled = metrics["bleu"].comparisons[name]
         pairs = seed_pairs(baseline, system, references, samples=samples)
         out[name] = {"baseline": base, "seeds": seeds, "pooled": pooled.as_dict(),
-                     "per_seed": {str(s): c.as_dict() for s, c in zip(seeds, pairs)}}
+                     "per_seed": {str(s): c.as_dict() for s, c in zip(seeds, pairs)},
+                     **{f"pooled_{m}": metrics[m].comparisons[name].as_dict() for m in ("chrf", "ter")}}
         log(f"{name} vs {base}: sacreBLEU {pooled.delta:+.2f} [{pooled.ci_low:+.2f}, {pooled.ci_high:+.2f}] "
             f"({pooled.verdict}; per seed: {', '.join(c.verdict for c in pairs)})")
     return out

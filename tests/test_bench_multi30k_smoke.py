@@ -73,6 +73,8 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
         assert low <= high and c["pooled"]["samples"] == 20 and c["pooled"]["seeds"] == 2
         assert set(c["per_seed"]) == {"1", "2"}
         assert c["pooled"]["verdict"] in ("better", "worse", "no difference")
+        assert (c["pooled_chrf"]["metric"], c["pooled_ter"]["metric"]) == ("chrf", "ter")
+        assert c["pooled_ter"]["higher_is_better"] is False and c["pooled_chrf"]["seeds"] == 2
 
     # --markdown: the report, one heading level down, between the page's markers; the rest is kept
     page = (tmp_path / "results.md").read_text()

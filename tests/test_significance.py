@@ -1,16 +1,28 @@
-"""Paired bootstrap resampling (analysis/significance.py) against sacreBLEU and a naive loop."""
+"""Paired bootstrap resampling (analysis/significance.py) against sacreBLEU's PairedTest and a naive
+loop, for BLEU, chrF and TER, with one run per system and with seeds pooled."""
 
 import random
 
 import numpy as np
 import pytest
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.significance import PairedTest
 
 from fairseq_modattn.analysis import AnalysisError
-from fairseq_modattn.analysis.significance import SACREBLEU_SEED, paired_bootstrap, seed_pairs
+from fairseq_modattn.analysis.significance import (
+    METRICS,
+    SACREBLEU_SEED,
+    compare_systems,
+    paired_bootstrap,
+    resample_counts,
+    seed_pairs,
+)
 
 WORDS = "a man in a blue shirt is riding the red bike down street two dogs play on grass near water".split()
+SAMPLES = 200
+#: sacreBLEU's scorers with the defaults compare_systems uses, and PairedTest's names of them
+SCORERS = {"bleu": BLEU, "chrf": CHRF, "ter": TER}
+PAIRED_TEST_NAMES = {"bleu": "BLEU", "chrf": "chrF2", "ter": "TER"}
 
 
 def corpus(rng: random.Random, n: int):
@@ -24,68 +36,117 @@ def noisy(rng: random.Random, refs, p: float):
 
 @pytest.fixture(scope="module")
 def data():
+    """30 references; a baseline (half the words wrong), a better system (15 % wrong) and a close
+    one (45 % wrong), three seeds each."""
     rng = random.Random(0)
-    refs = corpus(rng, 60)
-    return refs, [noisy(rng, refs, 0.5) for _ in range(3)], [noisy(rng, refs, 0.3) for _ in range(3)]
+    refs = corpus(rng, 30)
+    return (refs, [noisy(rng, refs, 0.5) for _ in range(3)], [noisy(rng, refs, 0.15) for _ in range(3)],
+            [noisy(rng, refs, 0.45) for _ in range(3)])
 
 
-def naive_resampled_differences(baseline_runs, system_runs, refs, samples, seed):
-    """Each resample scored from scratch: all runs' translations of the drawn sentences as one
-    corpus, the references repeated once per run."""
-    metric = BLEU()
+def naive_resampled_scores(metric, runs, refs, samples, seed):
+    """Each resample scored from scratch with sacreBLEU's corpus_score: all RUNS' translations of
+    the drawn sentences as one corpus, the references repeated once per run."""
+    scorer = SCORERS[metric]()
     indices = np.random.default_rng(seed).choice(len(refs), size=(samples, len(refs)), replace=True)
-    out = []
-    for row in indices:
-        def score(runs):
-            hyps = [run[i] for run in runs for i in row]
-            return metric.corpus_score(hyps, [[refs[i] for _ in runs for i in row]]).score
-        out.append(score(system_runs) - score(baseline_runs))
-    return np.array(out)
+    return np.array([scorer.corpus_score([run[i] for run in runs for i in row],
+                                         [[refs[i] for _ in runs for i in row]]).score for row in indices])
 
 
-def test_one_run_each_gives_sacrebleus_p_value_and_the_naive_interval(data, monkeypatch):
-    refs, base, system = data
+def naive_p_value(differences, observed):
+    """sacreBLEU's definition, written out: centred absolute differences above the observed one."""
+    centred = np.abs(differences) - np.abs(differences).mean()
+    return (sum(1 for c in centred if c > abs(observed)) + 1) / (len(differences) + 1)
+
+
+def paired_test(metric, systems, refs, samples, monkeypatch):
     monkeypatch.setenv("SACREBLEU_SEED", str(SACREBLEU_SEED))
-    result = paired_bootstrap([base[0]], [system[0]], refs, samples=200)
-
-    _, scores = PairedTest([("base", base[0]), ("sys", system[0])], {"BLEU": BLEU()}, [refs], test_type="bs",
-                           n_samples=200)()
-    sacre = scores["BLEU"][1]
-    assert result.system_bleu == pytest.approx(sacre.score, abs=1e-9)
-    assert result.baseline_bleu == pytest.approx(scores["BLEU"][0].score, abs=1e-9)
-    assert result.p_value == pytest.approx(sacre.p_value, abs=1e-12)
-
-    diffs = naive_resampled_differences([base[0]], [system[0]], refs, 200, SACREBLEU_SEED)
-    assert [result.ci_low, result.ci_high] == pytest.approx(list(np.percentile(diffs, [2.5, 97.5])), abs=1e-9)
-    assert result.delta > 0 and result.verdict == "better"
+    _, scores = PairedTest(systems, {PAIRED_TEST_NAMES[metric]: SCORERS[metric]()}, [refs], test_type="bs",
+                           n_samples=samples)()
+    return scores[PAIRED_TEST_NAMES[metric]]
 
 
-def test_pooled_seeds_keep_each_sentence_together(data):
-    refs, base, system = data
-    result = paired_bootstrap(base, system[:2], refs, samples=100, seed=7)
-    metric = BLEU()
-    full = lambda runs: metric.corpus_score([h for run in runs for h in run], [[r for _ in runs for r in refs]]).score
-    assert result.baseline_bleu == pytest.approx(full(base), abs=1e-9)
-    assert result.system_bleu == pytest.approx(full(system[:2]), abs=1e-9)
-    diffs = naive_resampled_differences(base, system[:2], refs, 100, 7)
-    assert [result.ci_low, result.ci_high] == pytest.approx(list(np.percentile(diffs, [2.5, 97.5])), abs=1e-9)
-    assert result.seeds == 2 and result.as_dict()["ci95"] == [result.ci_low, result.ci_high]
+@pytest.mark.parametrize("metric", METRICS)
+def test_one_run_each_gives_paired_tests_scores_and_p_values_and_the_naive_interval(data, metric, monkeypatch):
+    refs, base, better, close = data
+    result = compare_systems([("base", [base[0]]), ("better", [better[0]]), ("close", [close[0]])], refs,
+                             metrics=[metric], samples=SAMPLES)[metric]
+    sacre = paired_test(metric, [("base", base[0]), ("better", better[0]), ("close", close[0])], refs, SAMPLES,
+                        monkeypatch)
+    assert [result.scores[n] for n in ("base", "better", "close")] == pytest.approx([r.score for r in sacre], abs=1e-9)
+    assert [result.comparisons[n].p_value for n in ("better", "close")] == [sacre[1].p_value, sacre[2].p_value]
+
+    naive_base = naive_resampled_scores(metric, [base[0]], refs, SAMPLES, SACREBLEU_SEED)
+    for name, runs in (("better", better), ("close", close)):
+        c = result.comparisons[name]
+        diffs = naive_resampled_scores(metric, [runs[0]], refs, SAMPLES, SACREBLEU_SEED) - naive_base
+        assert [c.ci_low, c.ci_high] == pytest.approx(list(np.percentile(diffs, [2.5, 97.5])), abs=1e-9)
+        assert c.p_value == naive_p_value(diffs, c.delta)
+    # the fixture's better system is better on every metric: TER lower, BLEU and chrF higher
+    c = result.comparisons["better"]
+    assert (c.delta < 0) == (metric == "ter") and c.verdict == "better"
+    assert c.higher_is_better == (metric != "ter")
+    assert "bs:200" in result.signature and "seed:12345" in result.signature
 
 
-def test_verdicts(data):
-    refs, base, system = data
-    same = paired_bootstrap(base, base, refs, samples=50)
+@pytest.mark.parametrize("metric", METRICS)
+def test_pooled_seeds_keep_each_sentence_together(data, metric):
+    refs, base, better, _ = data
+    result = compare_systems([("base", base), ("better", better[:2])], refs, metrics=[metric], samples=100,
+                             seed=7)[metric]
+    scorer = SCORERS[metric]()
+
+    def full(runs):
+        return scorer.corpus_score([h for run in runs for h in run], [[r for _ in runs for r in refs]]).score
+
+    assert result.scores["base"] == pytest.approx(full(base), abs=1e-9)
+    assert result.scores["better"] == pytest.approx(full(better[:2]), abs=1e-9)
+    assert result.seed_scores["better"] == pytest.approx([scorer.corpus_score(r, [refs]).score for r in better[:2]],
+                                                         abs=1e-9)
+    c = result.comparisons["better"]
+    diffs = (naive_resampled_scores(metric, better[:2], refs, 100, 7)
+             - naive_resampled_scores(metric, base, refs, 100, 7))
+    assert [c.ci_low, c.ci_high] == pytest.approx(list(np.percentile(diffs, [2.5, 97.5])), abs=1e-9)
+    assert c.p_value == naive_p_value(diffs, c.delta)
+    assert c.seeds == 2 and c.as_dict()["ci95"] == [c.ci_low, c.ci_high]
+
+
+def test_the_resample_counts_are_sacrebleus_draw():
+    counts = resample_counts(7, 5, SACREBLEU_SEED)
+    indices = np.random.default_rng(SACREBLEU_SEED).choice(7, size=(5, 7), replace=True)
+    assert counts.shape == (5, 7) and (counts.sum(1) == 7).all()
+    for row, drawn in zip(counts, indices):
+        assert list(row) == [list(drawn).count(i) for i in range(7)]
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_verdicts(data, metric):
+    refs, base, better, _ = data
+    same = paired_bootstrap(base, base, refs, metric=metric, samples=50)
     assert (same.delta, same.ci_low, same.ci_high, same.verdict) == (0.0, 0.0, 0.0, "no difference")
     # sacreBLEU's test counts resamples whose centred difference strictly exceeds the observed
     # one: for identical systems none does, so p is its floor 1 / (N + 1), not 1
     assert same.p_value == pytest.approx(1 / 51)
-    assert paired_bootstrap(system, base, refs, samples=50).verdict == "worse"
-    assert [c.verdict for c in seed_pairs(base, system, refs, samples=50)] == ["better"] * 3
+    assert paired_bootstrap(better, base, refs, metric=metric, samples=50).verdict == "worse"
+    assert [c.verdict for c in seed_pairs(base, better, refs, metric=metric, samples=50)] == ["better"] * 3
 
 
-def test_refuses_misaligned_runs(data):
-    refs, base, system = data
-    with pytest.raises(AnalysisError, match="59 hypotheses but 60 references"):
-        paired_bootstrap(base, [system[0][:-1]], refs, samples=10)
+def test_bleu_is_the_default_metric(data):
+    refs, base, better, _ = data
+    result = paired_bootstrap([base[0]], [better[0]], refs, samples=20)
+    assert result.metric == "bleu" and result.system_score == pytest.approx(BLEU().corpus_score(better[0],
+                                                                                                [refs]).score)
+
+
+def test_refuses_misaligned_runs_and_bad_comparisons(data):
+    refs, base, better, _ = data
+    with pytest.raises(AnalysisError, match="29 hypotheses but 30 references"):
+        paired_bootstrap(base, [better[0][:-1]], refs, samples=10)
     with pytest.raises(AnalysisError, match="at least one run"):
-        paired_bootstrap([], system, refs)
+        paired_bootstrap([], better, refs)
+    with pytest.raises(AnalysisError, match="at least two systems"):
+        compare_systems([("base", base)], refs)
+    with pytest.raises(AnalysisError, match="names must differ"):
+        compare_systems([("x", base), ("x", better)], refs)
+    with pytest.raises(AnalysisError, match="unknown metric meteor"):
+        compare_systems([("base", base), ("better", better)], refs, metrics=["meteor"])

@@ -1,24 +1,33 @@
-"""Paired bootstrap resampling of corpus BLEU: is system B better than system A on this test set?
+"""Paired bootstrap resampling of corpus BLEU, chrF and TER: is system B better than system A on this test set?
 
 Koehn (2004), "Statistical significance tests for machine translation evaluation", as sacreBLEU
-implements it (``sacrebleu.significance``, ``--paired-bs``): draw N resamples of the test
-set's sentence indices with replacement, recompute both systems' corpus BLEU on each resample
-from their per-sentence sufficient statistics, and compare. sacreBLEU reports a p-value and
-each system's own interval; a comparison table needs the interval of the *difference*, so
-:func:`paired_bootstrap` keeps the N paired differences and reports their 2.5 and 97.5
-percentiles next to sacreBLEU's p-value, from the very same resamples (same generator, same
-seed, so the p-value equals what ``sacrebleu.significance.PairedTest`` prints).
+implements it (``sacrebleu.significance.PairedTest`` with ``test_type="bs"``, ``--paired-bs``):
+draw N resamples of the test set's sentence indices with replacement, recompute every system's
+corpus score on each resample from its per-sentence sufficient statistics, and compare with the
+first system, the baseline. sacreBLEU reports a p-value and each system's own interval; a
+comparison table needs the interval of the *difference*, so :func:`compare_systems` keeps the N
+paired differences and reports their 2.5 and 97.5 percentiles next to sacreBLEU's p-value, from
+the very same resamples (same generator, same seed, so the p-value equals what
+``PairedTest`` prints for one run per system).
 
 Several training seeds per system are pooled the way a reader would pool them: each seed's
 translation of sentence i stays tied to sentence i, so a resample that draws sentence i draws it
-for every seed, and the score of a resample is the corpus BLEU of all seeds' translations of the
-drawn sentences together. The interval then covers the test set's sampling variation for
-the seed-averaged systems; the spread over seeds themselves is reported separately (mean and
-standard deviation of each seed's BLEU).
+for every seed, and the score of a resample is the corpus score of all seeds' translations of the
+drawn sentences together (each seed against the same reference). The interval then covers the
+test set's sampling variation for the seed-averaged systems; the spread over seeds themselves is
+reported separately (each seed's own score). ``PairedTest`` cannot pool seeds that way (it would
+resample each seed's copy of a sentence independently), hence this module.
+
+sacreBLEU's public API scores the full test set (``corpus_score``); the resamples are scored
+from the per-sentence statistics through two private methods of its metrics,
+``_extract_corpus_statistics`` and ``_compute_score_from_stats``, the ones ``PairedTest`` uses
+itself. They exist unchanged from sacreBLEU 2.0.0 to 2.6.0 (checked in its repository), hence
+the ``sacrebleu>=2.0,<3`` pin; tests/test_significance.py checks the scores and p-values against
+``PairedTest`` and against a loop that rescores every resample with ``corpus_score``.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -27,89 +36,196 @@ from . import AnalysisError
 #: sacreBLEU's default seed for its resampling (``SACREBLEU_SEED``), so the resamples are its own
 SACREBLEU_SEED = 12345
 
+#: the metrics this module compares, by the names the ``compare`` command takes
+METRICS = ("bleu", "chrf", "ter")
+#: how the tables name them
+METRIC_LABELS = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER"}
+#: TER counts edits: lower is better
+HIGHER_IS_BETTER = {"bleu": True, "chrf": True, "ter": False}
+
+#: one system: its name and its runs (one list of hypotheses per training seed)
+System = Tuple[str, Sequence[Sequence[str]]]
+
 
 @dataclass
 class PairedComparison:
-    """System minus baseline, in BLEU points, on the full test set and over the resamples."""
+    """System minus baseline, in the metric's points, on the full test set and over the resamples.
 
-    baseline_bleu: float
-    system_bleu: float
+    For TER a negative difference is an improvement (``higher_is_better`` is False)."""
+
+    metric: str
+    baseline_score: float
+    system_score: float
     delta: float
     ci_low: float
     ci_high: float
     p_value: float
     samples: int
     seeds: int
+    higher_is_better: bool = True
 
     @property
     def verdict(self) -> str:
-        """'better' / 'worse' when the difference's 95 % interval excludes 0, else 'no difference'."""
+        """'better' / 'worse' when the difference's 95 % interval excludes 0, else 'no difference'
+        (the interval, not the p-value, decides: both come from the same resamples)."""
         if self.ci_low > 0:
-            return "better"
+            return "better" if self.higher_is_better else "worse"
         if self.ci_high < 0:
-            return "worse"
+            return "worse" if self.higher_is_better else "better"
         return "no difference"
 
-    def as_dict(self) -> Dict:
-        return {"baseline_bleu": self.baseline_bleu, "system_bleu": self.system_bleu, "delta": self.delta,
-                "ci95": [self.ci_low, self.ci_high], "p_value": self.p_value, "samples": self.samples,
-                "seeds": self.seeds, "verdict": self.verdict}
+    def as_dict(self) -> Dict[str, Any]:
+        return {"metric": self.metric, "baseline_score": self.baseline_score, "system_score": self.system_score,
+                "delta": self.delta, "ci95": [self.ci_low, self.ci_high], "p_value": self.p_value,
+                "samples": self.samples, "seeds": self.seeds, "higher_is_better": self.higher_is_better,
+                "verdict": self.verdict}
 
 
-def _sentence_stats(metric, runs: Sequence[Sequence[str]], references: Sequence[str]) -> np.ndarray:
-    """Per-sentence BLEU sufficient statistics summed over RUNS (seeds): shape (sentences, stats)."""
-    total = None
+@dataclass
+class MetricComparison:
+    """One metric over all systems: each system's pooled corpus score, each seed's own score, and
+    each system's :class:`PairedComparison` with the baseline (the first system)."""
+
+    metric: str
+    signature: str
+    baseline: str
+    scores: Dict[str, float] = field(default_factory=dict)
+    seed_scores: Dict[str, List[float]] = field(default_factory=dict)
+    comparisons: Dict[str, PairedComparison] = field(default_factory=dict)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"metric": self.metric, "signature": self.signature, "baseline": self.baseline,
+                "higher_is_better": HIGHER_IS_BETTER[self.metric], "scores": self.scores,
+                "seed_scores": self.seed_scores,
+                "comparisons": {name: c.as_dict() for name, c in self.comparisons.items()}}
+
+
+def metric_scorer(metric: str, tokenize: str = "13a", lowercase: bool = False) -> Any:
+    """sacreBLEU's scorer of METRIC ('bleu', 'chrf' or 'ter'), with its defaults but for
+    TOKENIZE (BLEU's tokenizer) and LOWERCASE (case-insensitive BLEU and chrF; sacreBLEU's
+    TER is case-insensitive already), as ``evaluate`` scores."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
+
+    if metric == "bleu":
+        try:
+            return BLEU(tokenize=tokenize, lowercase=lowercase)
+        except Exception as e:  # sacreBLEU raises bare exceptions for an unknown tokenizer
+            raise AnalysisError(f"sacrebleu rejects tokenize={tokenize!r}: {e}") from e
+    if metric == "chrf":
+        return CHRF(lowercase=lowercase)
+    if metric == "ter":
+        return TER()
+    raise AnalysisError(f"unknown metric {metric!r}; choose from: {', '.join(METRICS)}")
+
+
+def _sentence_stats(scorer, runs: Sequence[Sequence[str]], references: Sequence[str]) -> List[np.ndarray]:
+    """Per-sentence sufficient statistics of each run (seed), each of shape (sentences, stats)."""
+    out = []
     for hyps in runs:
         if len(hyps) != len(references):
             raise AnalysisError(f"{len(hyps)} hypotheses but {len(references)} references: every run must "
                                 "translate the whole test set")
-        stats = np.asarray(metric._extract_corpus_statistics(list(hyps), [list(references)]), dtype=np.float64)
-        total = stats if total is None else total + stats
-    return total
+        out.append(np.asarray(scorer._extract_corpus_statistics(list(hyps), [list(references)]), dtype=np.float64))
+    return out
 
 
-def _scores(metric, stats: np.ndarray) -> np.ndarray:
-    return np.array([metric._compute_score_from_stats(list(row)).score for row in stats])
+def _score(scorer, stats: np.ndarray) -> float:
+    return float(scorer._compute_score_from_stats(list(stats)).score)
+
+
+def resample_counts(sentences: int, samples: int, seed: int) -> np.ndarray:
+    """(SAMPLES, SENTENCES) matrix: how often each resample draws each sentence, from the same
+    draw as sacreBLEU's ``paired_bs`` (one index matrix from ``default_rng(SEED)``). A resample's
+    statistics are then ``counts @ per-sentence statistics``: sums of whole numbers, exact in
+    float64, without the (samples, sentences, stats) array of indexing by the draw."""
+    indices = np.random.default_rng(seed).choice(sentences, size=(samples, sentences), replace=True)
+    rows = np.repeat(np.arange(samples), sentences)
+    return np.bincount(rows * sentences + indices.ravel(), minlength=samples * sentences).reshape(
+        samples, sentences).astype(np.float64)
+
+
+def _p_value(differences: np.ndarray, observed: float) -> float:
+    """sacreBLEU's p-value: the share of resamples whose centred absolute difference exceeds the
+    observed absolute difference, with the +1 correction."""
+    absolute = np.abs(differences)
+    centred = absolute - absolute.mean()
+    return float((np.sum(centred > abs(observed)) + 1) / (len(differences) + 1))
+
+
+def compare_systems(systems: Sequence[System], references: Sequence[str], *, metrics: Sequence[str] = METRICS,
+                    samples: int = 1000, seed: int = SACREBLEU_SEED, tokenize: str = "13a",
+                    lowercase: bool = False) -> Dict[str, MetricComparison]:
+    """Compare each of SYSTEMS after the first (the baseline) with the first, for each of METRICS,
+    by paired bootstrap resampling of the test sentences (SAMPLES resamples drawn with SEED, the
+    same for every system and metric, as sacreBLEU draws them). A system is (name, runs): one
+    hypothesis list per training seed, aligned with REFERENCES; systems may have different
+    numbers of runs. Returns {metric: :class:`MetricComparison`}, in METRICS' order.
+
+    Scores are sacreBLEU's ``corpus_score`` of all a system's runs together (each run against
+    REFERENCES). The p-value is sacreBLEU's (:func:`_p_value`), so with one run each it equals
+    ``PairedTest``'s; the interval is the percentile interval of the resampled differences
+    system - baseline.
+    """
+    if len(systems) < 2:
+        raise AnalysisError("a comparison needs at least two systems (the first is the baseline)")
+    names = [name for name, _ in systems]
+    if len(set(names)) != len(names):
+        raise AnalysisError(f"system names must differ: {', '.join(names)}")
+    for name, runs in systems:
+        if not runs:
+            raise AnalysisError(f"system {name} has no run: paired bootstrap needs at least one run of each system")
+    if samples < 1:
+        raise AnalysisError("paired bootstrap needs at least one resample")
+    if not references:
+        raise AnalysisError("no sentences to compare: the references are empty")
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown or not metrics:
+        raise AnalysisError(f"unknown metric {', '.join(unknown) or '(none)'}; choose from: {', '.join(METRICS)}")
+
+    counts = resample_counts(len(references), samples, seed)
+    out: Dict[str, MetricComparison] = {}
+    for metric in metrics:
+        scorer = metric_scorer(metric, tokenize, lowercase)
+        baseline = names[0]
+        result = MetricComparison(metric=metric, signature="", baseline=baseline)
+        resampled: Dict[str, np.ndarray] = {}
+        for name, runs in systems:
+            per_seed = _sentence_stats(scorer, runs, references)
+            pooled = np.sum(per_seed, axis=0)
+            # the headline through the public API: all runs as one corpus, the references once per run
+            full = scorer.corpus_score([h for run in runs for h in run], [[r for _ in runs for r in references]])
+            result.scores[name] = float(full.score)
+            result.seed_scores[name] = [_score(scorer, stats.sum(0)) for stats in per_seed]
+            resampled[name] = np.array([_score(scorer, row) for row in counts @ pooled])
+            if name == baseline:
+                continue
+            differences = resampled[name] - resampled[baseline]
+            delta = result.scores[name] - result.scores[baseline]
+            low, high = np.percentile(differences, [2.5, 97.5])
+            result.comparisons[name] = PairedComparison(
+                metric=metric, baseline_score=result.scores[baseline], system_score=result.scores[name],
+                delta=delta, ci_low=float(low), ci_high=float(high), p_value=_p_value(differences, delta),
+                samples=samples, seeds=len(runs), higher_is_better=HIGHER_IS_BETTER[metric])
+        signature = scorer.get_signature()  # known once the scorer has seen the references
+        signature.update("seed", str(seed))
+        signature.update("bs", samples)
+        result.signature = signature.format()
+        out[metric] = result
+    return out
 
 
 def paired_bootstrap(baseline: Sequence[Sequence[str]], system: Sequence[Sequence[str]], references: Sequence[str],
-                     *, samples: int = 1000, seed: int = SACREBLEU_SEED, tokenize: str = "13a",
-                     lowercase: bool = False) -> PairedComparison:
+                     *, metric: str = "bleu", samples: int = 1000, seed: int = SACREBLEU_SEED,
+                     tokenize: str = "13a", lowercase: bool = False) -> PairedComparison:
     """Compare SYSTEM with BASELINE, each a list of runs (one hypothesis list per training seed,
-    aligned with REFERENCES; the two may have different numbers of runs), by paired bootstrap
-    resampling of the test sentences (SAMPLES resamples; sacreBLEU's BLEU with TOKENIZE and
-    LOWERCASE). With one run each, the p-value is sacreBLEU's ``paired_bs`` p-value.
-
-    The p-value is sacreBLEU's: the share of resamples whose centred absolute difference exceeds
-    the observed one, with the +1 correction. The interval is the percentile interval of the
-    resampled differences system - baseline.
-    """
-    from sacrebleu.metrics import BLEU
-
+    aligned with REFERENCES; the two may have different numbers of runs), on METRIC by paired
+    bootstrap resampling of the test sentences (:func:`compare_systems` with these two systems).
+    With one run each, the p-value is sacreBLEU's ``paired_bs`` p-value."""
     if not baseline or not system:
         raise AnalysisError("paired bootstrap needs at least one run of each system")
-    if samples < 1:
-        raise AnalysisError("paired bootstrap needs at least one resample")
-    metric = BLEU(tokenize=tokenize, lowercase=lowercase)
-    base_stats = _sentence_stats(metric, baseline, references)
-    sys_stats = _sentence_stats(metric, system, references)
-    base_bleu = metric._compute_score_from_stats(list(base_stats.sum(0))).score
-    sys_bleu = metric._compute_score_from_stats(list(sys_stats.sum(0))).score
-
-    # the same draw as sacreBLEU's paired_bs: one (samples x sentences) index matrix
-    indices = np.random.default_rng(seed).choice(len(references), size=(samples, len(references)), replace=True)
-    base_resampled = _scores(metric, base_stats[indices].sum(1))
-    sys_resampled = _scores(metric, sys_stats[indices].sum(1))
-
-    differences = sys_resampled - base_resampled
-    absolute = np.abs(differences)
-    centred = absolute - absolute.mean()
-    observed = abs(sys_bleu - base_bleu)
-    p_value = float((np.sum(centred > observed) + 1) / (samples + 1))
-    low, high = np.percentile(differences, [2.5, 97.5])
-    return PairedComparison(baseline_bleu=float(base_bleu), system_bleu=float(sys_bleu),
-                            delta=float(sys_bleu - base_bleu), ci_low=float(low), ci_high=float(high),
-                            p_value=p_value, samples=samples, seeds=len(system))
+    result = compare_systems([("baseline", baseline), ("system", system)], references, metrics=[metric],
+                             samples=samples, seed=seed, tokenize=tokenize, lowercase=lowercase)
+    return result[metric].comparisons["system"]
 
 
 def seed_pairs(baseline: Sequence[Sequence[str]], system: Sequence[Sequence[str]], references: Sequence[str],

@@ -9,6 +9,9 @@
                                              # fairseq's average_checkpoints.py (see average -h)
     fairseq-modattn evaluate DATA --checkpoint-dir DIR [...] [-- fairseq-generate args]
                                              # average + fairseq-generate + BLEU/sacreBLEU JSON
+    fairseq-modattn compare --system NAME FILE [FILE ...] --system NAME FILE [FILE ...] [--json OUT]
+                                             # paired bootstrap of BLEU, chrF, TER against the first
+                                             # system (evaluate JSONs or hypothesis files; see compare -h)
     fairseq-modattn redundancy DATA --path CKPT [--attention enc_self] [--output R.json]
                                              # attention redundancy LR / HR over a split
     fairseq-modattn plot KIND DATA --path CKPT --output FIG.png
@@ -158,6 +161,8 @@ COMMANDS: Dict[str, Subcommand] = {
     "prepare": Subcommand(__name__, "prepare", "raw corpus -> data-bin"),
     "average": Subcommand("fairseq_modattn.cli.average", "average", "fairseq's average_checkpoints.py"),
     "evaluate": Subcommand("fairseq_modattn.cli.evaluate", "evaluate", "average + fairseq-generate + BLEU JSON"),
+    "compare": Subcommand("fairseq_modattn.cli.compare", "compare",
+                          "paired bootstrap of BLEU, chrF and TER between systems"),
     "redundancy": Subcommand("fairseq_modattn.cli.analyze", "redundancy", "attention redundancy LR / HR"),
     "plot": Subcommand("fairseq_modattn.cli.analyze", "plot", "the paper's figures of a checkpoint"),
     "ablate": Subcommand("fairseq_modattn.cli.ablate", "ablate", "DMA cluster-count ablation"),

@@ -14,7 +14,7 @@ the model and the cause.
 """
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from . import AnalysisError
 
@@ -33,7 +33,7 @@ def comet_version() -> str:
     return version("unbabel-comet")
 
 
-def load_comet_model(model: str):
+def load_comet_model(model: str) -> Any:
     """The COMET model MODEL: a local checkpoint file (``.../checkpoints/model.ckpt``), a folder
     holding one (a downloaded model: ``MODEL/checkpoints/model.ckpt``), or a model name of the
     Hugging Face hub (``Unbabel/wmt22-comet-da``) that comet's ``download_model`` fetches, or
@@ -61,7 +61,7 @@ def load_comet_model(model: str):
                             f"{_first_line(e)}") from None
 
 
-def comet_system_score(model, sources: Sequence[str], hyps: Sequence[str], refs: Sequence[str], *,
+def comet_system_score(model: Any, sources: Sequence[str], hyps: Sequence[str], refs: Sequence[str], *,
                        gpus: int = 0, batch_size: int = 16) -> float:
     """COMET's system score (the mean of its sentence scores) of HYPS, with their SOURCES and
     REFS (one each, detokenized), on GPUS GPUs (0: the CPU)."""

@@ -70,7 +70,7 @@ def _check_transcripts_writable(output) -> None:
     into OUTPUT wrote both). Any other file there is someone else's, and is never replaced. (Two
     evaluations into one OUTPUT are refused by its lock, which so covers its transcripts too.)"""
     output = Path(output)
-    named = {}
+    named: set = set()
     if output.is_file():
         try:
             recorded = load_json(output)

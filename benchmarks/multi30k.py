@@ -161,7 +161,11 @@ def one_run(name: str, seed: int, args, log) -> Dict:
     stats = runs.training_stats(run_dir / "train.log")
     return {"model": name, "seed": seed, "bleu": evaluation["bleu"], "sacrebleu": evaluation["sacrebleu"],
             "sacrebleu_signature": evaluation["sacrebleu_signature"],
+            "chrf": evaluation["chrf"], "chrf_signature": evaluation["chrf_signature"],
+            "ter": evaluation["ter"], "ter_signature": evaluation["ter_signature"],
             "generate_output": evaluation["generate_output"],
+            # the detokenized text that was scored, kept in the run's folder, for re-scoring with other metrics
+            "hypotheses_file": evaluation["hypotheses_file"], "references_file": evaluation["references_file"],
             "parameters": measured["parameters"], "redundancy": {k: {"LR": v["LR"], "HR": v["HR"]}
                                                                  for k, v in measured["redundancy"].items()},
             **stats, "command": command, "code": trained_with(run_dir)}
@@ -229,6 +233,7 @@ def aggregate(results: List[Dict], models: List[str]) -> Dict[str, Dict]:
         entry = {"family": RECIPES[name].family, "parameters": rows[0]["parameters"], "seeds": [r["seed"] for r in rows],
                  "updates": rows[0]["num_updates"], "bleu": spread([r["bleu"] for r in rows]),
                  "sacrebleu": spread([r["sacrebleu"] for r in rows]),
+                 "chrf": spread([r["chrf"] for r in rows]), "ter": spread([r["ter"] for r in rows]),
                  "valid_nll_loss": spread([r["valid_nll_loss"] for r in rows]),
                  "wps": spread([r["wps_median"] for r in rows]), "redundancy": {}}
         for attention in rows[0]["redundancy"]:
@@ -325,14 +330,16 @@ def markdown(table: Dict[str, Dict], comparisons: Dict[str, Dict], settings: Dic
         return f"{p['delta']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}] vs {c['baseline']}: **{p['verdict']}**"
 
     lines = [
-        "| model | params | updates | sacreBLEU mean ± std | Δ sacreBLEU [95 % CI], seeds pooled | tok. BLEU | "
+        "| model | params | updates | sacreBLEU mean ± std | Δ sacreBLEU [95 % CI], seeds pooled | "
+        "chrF mean ± std | TER mean ± std | tok. BLEU | "
         "LR / HR enc self | LR / HR dec self | LR / HR enc-dec | valid nll | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in table.items():
         lines.append(
             f"| {name} | {entry['parameters']:,} | {entry['updates']:,} | {_mean_std(entry['sacrebleu'])} | {delta(name)} | "
-            f"{_mean_std(entry['bleu'])} | {red(name, 'enc_self')} | {red(name, 'dec_self')} | {red(name, 'enc_dec')} | "
+            f"{_mean_std(entry['chrf'])} | {_mean_std(entry['ter'])} | {_mean_std(entry['bleu'])} | "
+            f"{red(name, 'enc_self')} | {red(name, 'dec_self')} | {red(name, 'enc_dec')} | "
             f"{_mean_std(entry['valid_nll_loss'], 3)} | {entry['wps']['mean']:.0f} |")
     if comparisons:
         lines += ["", "Each seed pair alone (paired bootstrap of seed s against the baseline's seed s; "
@@ -341,9 +348,10 @@ def markdown(table: Dict[str, Dict], comparisons: Dict[str, Dict], settings: Dic
             cells = [f"seed {s}: {p['delta']:+.2f} [{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}], p {p['p_value']:.3f}"
                      for s, p in c["per_seed"].items()]
             lines.append(f"- {name} vs {c['baseline']}: " + "; ".join(cells))
-    lines += ["", "Per-seed sacreBLEU:", ""]
-    lines += [f"- {name}: " + ", ".join(f"seed {s} {b:.2f}" for s, b in zip(e["seeds"], e["sacrebleu"]["values"]))
-              for name, e in table.items()]
+    lines += ["", "Per-seed sacreBLEU / chrF / TER:", ""]
+    for name, e in table.items():
+        scores = zip(e["seeds"], e["sacrebleu"]["values"], e["chrf"]["values"], e["ter"]["values"])
+        lines.append(f"- {name}: " + ", ".join(f"seed {s} {b:.2f} / {c:.2f} / {t:.2f}" for s, b, c, t in scores))
     example = {r["model"]: r["command"] for r in results if r["seed"] == settings["seeds"][0]}
     lines += ["", "fairseq-train command of each model (seed " + str(settings["seeds"][0]) + "; the other seeds "
               "differ in --seed and --save-dir only):", "", "```bash"]
@@ -439,7 +447,10 @@ def status(args, jobs: int) -> int:
         if state.state == "done":
             evaluation = runs.json_load(run_dir / "evaluation" / "results.json")
             nll = runs.training_stats(run_dir / "train.log")["valid_nll_loss"]
-            line += f", sacreBLEU {evaluation['sacrebleu']:.2f}, valid nll {nll:.3f}"
+            line += f", sacreBLEU {evaluation['sacrebleu']:.2f}"
+            if "chrf" in evaluation:  # evaluations made before chrF and TER were scored lack them
+                line += f", chrF {evaluation['chrf']:.2f}, TER {evaluation['ter']:.2f}"
+            line += f", valid nll {nll:.3f}"
         elif state.state == "trained":
             line += "; its translation or redundancy measurement is not finished"
         elif state.state == "training":
@@ -548,7 +559,10 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
         + code_summary(results),
         "",
         "How to read it: sacreBLEU is detokenized BLEU (13a) against the detokenized references, mean ± "
-        "sample standard deviation over seeds; tok. BLEU is fairseq's tokenized BLEU of the same translations. "
+        "sample standard deviation over seeds; chrF (character n-gram F-score) and TER (translation edit rate, "
+        "lower is better) score the same detokenized translations, mean ± std over seeds; the signatures: "
+        f"{scoring.signatures_text(results)}. Each run's scored text is kept in its `evaluation/hyp.txt` "
+        "and `ref.txt`. tok. BLEU is fairseq's tokenized BLEU of the same translations. "
         f"Δ sacreBLEU is the method minus its family's baseline with all seeds pooled, and its 95 % interval "
         f"comes from paired bootstrap resampling of the test sentences ({args.bootstrap_samples} resamples, "
         "sacreBLEU's resampling; each sentence carries all seeds' translations of it): **better** or "

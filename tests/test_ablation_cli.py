@@ -49,11 +49,17 @@ def test_ablation_trains_evaluates_tabulates_and_resumes(multi30k_bin, tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["max_epoch"] == 2 and len(summary["rows"]) == 2
     table = (out / "table.md").read_text()
-    assert "| n_c | params | LR | HR | BLEU |" in table and f"| 2 | {params[0]:,} |" in table
+    assert "| n_c | params | LR | HR | BLEU | sacreBLEU | chrF | TER | checkpoints averaged |" in table
+    assert f"| 2 | {params[0]:,} |" in table
     assert (out / "bleu_vs_clusters.png").read_bytes()[:4] == b"\x89PNG"
     for clusters in (2, 3):
         results = json.loads((out / f"nc{clusters}" / "evaluation" / "results.json").read_text())
         assert results["sentences"] == 100 and results["subset"] == "valid"
+        row = rows[[2, 3].index(clusters)]
+        for column, key in (("sacreBLEU", "sacrebleu"), ("chrF", "chrf"), ("TER", "ter")):
+            assert float(row[column]) == results[key], (column, row)
+            assert f"{column} `{results[key + '_signature']}`" in table
+        assert summary["rows"][[2, 3].index(clusters)]["signatures"]["chrf"] == results["chrf_signature"]
         command = json.loads((out / f"nc{clusters}" / "train.done").read_text())["command"]
         assert command[command.index("--dma-clusters") + 1] == str(clusters)
     assert "[n_c=3] training:" in log and "wrote " in log

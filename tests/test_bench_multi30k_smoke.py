@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO, cli_environment
 
@@ -52,6 +53,12 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
         lstm_family = r["model"] in ("rim_lstm", "lstm")
         assert r["num_updates"] == (3 if lstm_family else 2) and r["wps"] > 0 and 0 <= r["sacrebleu"] <= 100
         assert r["wps_median"] == r["wps"]  # one epoch record (a budget under one epoch)
+        # chrF and TER beside sacreBLEU, and the scored text kept in the run's own folder
+        evaluation = json.loads((out / r["model"] / f"seed{r['seed']}" / "evaluation" / "results.json").read_text())
+        assert {k: r[k] for k in ("chrf", "chrf_signature", "ter", "ter_signature")} == {
+            k: evaluation[k] for k in ("chrf", "chrf_signature", "ter", "ter_signature")}
+        assert Path(r["hypotheses_file"]) == (out / r["model"] / f"seed{r['seed']}" / "evaluation" / "hyp.txt").resolve()
+        assert len(Path(r["hypotheses_file"]).read_text(encoding="utf-8").splitlines()) == 100
         assert r["command"][r["command"].index("--seed") + 1] == str(r["seed"])
         assert (r["command"][-3:-1] == ["--lr", "0.001"]) == lstm_family
         # the code that trained the run: one record, for its one start
@@ -65,6 +72,8 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     assert table["rim_lstm"]["redundancy"] == {}
     bleus = [r["sacrebleu"] for r in results["runs"] if r["model"] == "transformer"]
     assert abs(table["transformer"]["sacrebleu"]["mean"] - sum(bleus) / 2) < 1e-9
+    chrfs = [r["chrf"] for r in results["runs"] if r["model"] == "transformer"]
+    assert table["transformer"]["chrf"]["values"] == chrfs and table["transformer"]["ter"]["std"] >= 0
 
     comparisons = results["comparisons"]
     assert {n: c["baseline"] for n, c in comparisons.items()} == {"talking_heads": "transformer", "rim_lstm": "lstm"}
@@ -79,9 +88,14 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     # --markdown: the report, one heading level down, between the page's markers; the rest is kept
     page = (tmp_path / "results.md").read_text()
     text = (out / "results.md").read_text()
+    first_run = results["runs"][0]
     assert page.startswith("<!-- benchmarks/multi30k.py report: begin") and "\n## Multi30k de-en: " in page
     assert page.count("\n### The baselines' validation curves") == 1 and text.startswith("# Multi30k de-en: ")
     assert "| talking_heads | " in text and " vs transformer: **" in text and "| lstm | " in text
+    assert "| sacreBLEU mean ± std | Δ sacreBLEU [95 % CI], seeds pooled | chrF mean ± std | TER mean ± std |" in text
+    assert f"chrF `{first_run['chrf_signature']}`" in text and f"TER `{first_run['ter_signature']}`" in text
+    assert (f"- transformer: seed 1 {first_run['sacrebleu']:.2f} / {first_run['chrf']:.2f} / "
+            f"{first_run['ter']:.2f}, seed 2 ") in text
     assert "## The baselines' validation curves" in text  # the curve measured first is part of the report
     assert f"Every run trained with plugin sources {hashes.pop()}" in text
     threads = max(1, (os.cpu_count() or 1) // 2)
@@ -94,8 +108,9 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
                   "--max-update", "2", "--lstm-max-update", "3", "--status"])
     assert output.startswith(f"{out}: 8 of 8 runs done; no benchmark process is working on it\n")
     first = results["runs"][0]
-    assert f"  transformer seed 1: done, sacreBLEU {first['sacrebleu']:.2f}, valid nll {first['valid_nll_loss']:.3f}\n" \
-        in output and output.endswith("No training left.\n")
+    assert (f"  transformer seed 1: done, sacreBLEU {first['sacrebleu']:.2f}, chrF {first['chrf']:.2f}, "
+            f"TER {first['ter']:.2f}, valid nll {first['valid_nll_loss']:.3f}\n") in output
+    assert output.endswith("No training left.\n")
 
     # a page without the report's markers is never overwritten
     mine = tmp_path / "notes.md"
@@ -220,3 +235,32 @@ def test_runs_start_longest_first(tmp_path):
     args.lstm_max_update = 2000
     assert bench.run_order(args)[4:] == [("transformer", 1), ("tim", 1), ("transformer", 2), ("tim", 2),
                                          ("lstm", 1), ("lstm", 2)]
+
+
+def test_report_table_has_chrf_and_ter_columns_and_per_seed_values():
+    """The markdown table of a synthetic comparison: chrF and TER mean ± std beside sacreBLEU, and
+    each seed's three scores."""
+    bench = load_benchmark()
+
+    def spread(values):
+        return bench.spread(values)
+
+    def entry(sacre, chrf, ter):
+        return {"family": "transformer", "parameters": 1234567, "seeds": [1, 2], "updates": 3000,
+                "bleu": spread([30.0, 31.0]), "sacrebleu": spread(sacre), "chrf": spread(chrf), "ter": spread(ter),
+                "valid_nll_loss": spread([2.0, 2.1]), "wps": spread([5000.0, 5100.0]), "redundancy": {}}
+
+    table = {"transformer": entry([40.0, 42.0], [60.5, 61.5], [45.25, 44.75]),
+             "dma": entry([41.0, 41.0], [62.0, 63.0], [44.0, 46.0])}
+    results = [{"model": m, "seed": s, "command": ["/x/fairseq-train", "/data", "--seed", str(s)]}
+               for m in table for s in (1, 2)]
+    text = bench.markdown(table, {}, {"seeds": [1, 2], "data_as_given": "data-bin/m30k"}, results)
+    lines = text.splitlines()
+    assert lines[0].startswith("| model | params | updates | sacreBLEU mean ± std | Δ sacreBLEU [95 % CI], seeds "
+                               "pooled | chrF mean ± std | TER mean ± std | tok. BLEU | ")
+    assert lines[1].count("---") == lines[0].count("|") - 1
+    assert lines[2].startswith("| transformer | 1,234,567 | 3,000 | 41.00 ± 1.41 | (baseline) | 61.00 ± 0.71 | "
+                               "45.00 ± 0.35 | 30.50 ± 0.71 | ")
+    assert "| dma | 1,234,567 | 3,000 | 41.00 ± 0.00 |  | 62.50 ± 0.71 | 45.00 ± 1.41 | " in text
+    assert "- transformer: seed 1 40.00 / 60.50 / 45.25, seed 2 42.00 / 61.50 / 44.75" in lines
+    assert "- dma: seed 1 41.00 / 62.00 / 44.00, seed 2 41.00 / 63.00 / 46.00" in lines

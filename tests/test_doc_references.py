@@ -74,7 +74,7 @@ OTHER_TOOLS = {
     "pip": {"--upgrade", "--quiet"},                         # pip install ...
     "apt-get": set(),
     "tensorboard": {"--logdir"},                             # tensorboard --logdir runs
-    "sacrebleu": {"--tokenize", "--metrics", "--force", "--echo", "--paired-bs"},  # sacreBLEU's own command line
+    "sacrebleu": {"--tokenize", "--metrics", "--force", "--echo", "--input", "--paired-bs"},  # sacreBLEU's own command line
     "git": {"--stat"},                                       # git diff --stat
     "prepare-wmt14en2de.sh": {"--icml17"},                   # fairseq's WMT14 data script
     "curl": set(),

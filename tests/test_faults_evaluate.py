@@ -133,6 +133,13 @@ def test_lowercased_system_against_truecase_references_is_scored_case_insensitiv
     assert results["sacrebleu_case_sensitive"] == pytest.approx(cased, abs=1e-9)
     assert "case:mixed" in results["sacrebleu_case_sensitive_signature"]
     assert len([line for line in out.splitlines() if "case-insensitive" in line]) == 1, out[-3000:]
+    # chrF follows sacreBLEU's case decision; sacreBLEU's TER is case-insensitive by default
+    assert results["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [[r.lower() for r in refs]]).score, abs=1e-9)
+    assert results["chrf_case_sensitive"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+    assert results["chrf"] > results["chrf_case_sensitive"] + 1
+    assert "case:lc" in results["chrf_signature"] and "case:mixed" in results["chrf_case_sensitive_signature"]
+    assert results["ter"] == pytest.approx(sacrebleu.corpus_ter(hyps, [refs]).score, abs=1e-9)
+    assert "case:lc" in results["ter_signature"]
 
 
 def test_case_sensitive_flag_keeps_case_sensitive_bleu(runs, truecase_references):
@@ -146,6 +153,8 @@ def test_case_sensitive_flag_keeps_case_sensitive_bleu(runs, truecase_references
     assert results["sacrebleu"] == pytest.approx(cased, abs=1e-9) == results["sacrebleu_case_sensitive"]
     assert "case:mixed" in results["sacrebleu_signature"]
     assert "--case-sensitive" in results["lowercase_reason"] and "--case-sensitive" in out
+    assert results["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+    assert results["chrf"] == results["chrf_case_sensitive"] and "case:mixed" in results["chrf_signature"]
 
 
 def test_lowercased_references_are_scored_as_before(runs):

@@ -38,6 +38,8 @@ def test_quickstart_prepares_trains_evaluates_and_tabulates(multi30k_dir, tmp_pa
             assert 0 <= row[f"HR {attention}"] <= row[f"LR {attention}"] + 1e-9 <= 1 + 1e-9
         results = json.loads((out / name / "evaluation" / "results.json").read_text())
         assert results["sentences"] == 1000 and results["subset"] == "test" and results["beam"] == 5
+        for column, key in (("sacreBLEU", "sacrebleu"), ("chrF", "chrf"), ("TER", "ter")):
+            assert row[column] == results[key] and row[f"{column} signature"] == results[f"{key}_signature"]
         command = json.loads((out / name / "train.done").read_text())["command"]
         assert command[command.index("--max-update") + 1] == "3" and "--cpu" in command
         assert f"[{name}] training:" in log
@@ -46,10 +48,13 @@ def test_quickstart_prepares_trains_evaluates_and_tabulates(multi30k_dir, tmp_pa
     assert summary["settings"]["max_update"] == 3
 
     table = (out / "table.md").read_text()
-    header = "| model | params | BLEU | LR / HR enc self | LR / HR dec self | LR / HR enc-dec |"
+    header = "| model | params | BLEU | sacreBLEU | chrF | TER | LR / HR enc self | LR / HR dec self | LR / HR enc-dec |"
     assert header in table and header in log
     for name, row in rows.items():
-        assert re.search(rf"^\| {name} \| {row['params']:,} \| {row['BLEU']:.2f} \| ", table, re.M), table
+        cells = " \\| ".join(f"{row[c]:.2f}" for c in ("BLEU", "sacreBLEU", "chrF", "TER"))
+        assert re.search(rf"^\| {name} \| {row['params']:,} \| {cells} \| ", table, re.M), table
+    for column in ("sacreBLEU", "chrF", "TER"):  # the signatures in the caption, once
+        assert table.count(f"{column} `{rows['dma'][column + ' signature']}`") == 1, table
 
     # rerunning the finished command reuses every step
     _, log = quickstart(*args)

@@ -10,11 +10,15 @@ from conftest import fairseq_cli, run_cli
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.scoring import (
     compound_split,
+    detok_chrf,
     detok_sacrebleu,
+    detok_ter,
     detokenize,
     parse_generate_output,
     sacrebleu_scores,
+    signatures_text,
     tokenized_bleu,
+    translation_scores,
 )
 
 
@@ -150,3 +154,56 @@ def test_duplicated_ids_are_an_error(duplicate):
 def test_malformed_hypothesis_line_is_an_error():
     with pytest.raises(AnalysisError, match="H-ID<tab>SCORE<tab>TEXT"):
         parse_generate_output("H-3\tnot-a-score\ttext\n")
+
+
+# ------------------------------------------------------------------ chrF and TER beside BLEU
+def test_ter_of_a_hand_checkable_pair():
+    """One substitution in four reference words: TER = 1 / 4."""
+    score, signature = detok_ter(["a b c d"], ["a b x d"])
+    assert score == pytest.approx(25.0, abs=1e-9)
+    assert "tok:tercom" in signature and "nrefs:1" in signature and "case:lc" in signature
+
+
+def test_chrf_and_ter_equal_sacrebleus():
+    """sacreBLEU's module-level corpus_chrf / corpus_ter with their defaults, computed here."""
+    import sacrebleu
+
+    hyps = ["A man rides a horse.", "Two dogs play in the snow.", "Nothing"]
+    refs = ["A man is riding a horse.", "Two Dogs play.", "Something else entirely."]
+    chrf, chrf_signature = detok_chrf(hyps, refs)
+    assert chrf == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+    assert "nc:6" in chrf_signature and "nw:0" in chrf_signature and "case:mixed" in chrf_signature
+    assert detok_chrf(["same words"], ["same words"])[0] == pytest.approx(100)
+    ter, _ = detok_ter(hyps, refs)
+    assert ter == pytest.approx(sacrebleu.corpus_ter(hyps, [refs]).score, abs=1e-9)
+    scores = translation_scores(hyps, refs)
+    assert scores["chrf"] == chrf and scores["ter"] == ter and scores["chrf_signature"] == chrf_signature
+    assert scores["sacrebleu"] == detok_sacrebleu(hyps, refs)[0] and not scores["lowercase"]
+    with pytest.raises(AnalysisError, match="2 hypotheses but 1 references"):
+        detok_chrf(["a", "b"], ["a"])
+    with pytest.raises(AnalysisError, match="no sentences"):
+        detok_ter([], [])
+
+
+def test_chrf_is_case_insensitive_exactly_when_sacrebleu_is():
+    import sacrebleu
+
+    hyps, refs = ["a man rides a horse .", "two dogs play ."], ["A Man rides a horse .", "Two Dogs play ."]
+    scores = translation_scores(hyps, refs)
+    assert scores["lowercase"] and "case:lc" in scores["chrf_signature"]
+    assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [[r.lower() for r in refs]]).score, abs=1e-9)
+    assert scores["chrf_case_sensitive"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+    assert scores["chrf"] > scores["chrf_case_sensitive"]
+    assert "case:mixed" in scores["chrf_case_sensitive_signature"]
+    forced = translation_scores(hyps, refs, case_sensitive=True)
+    assert forced["chrf"] == scores["chrf_case_sensitive"] and "case:mixed" in forced["chrf_signature"]
+    assert forced["ter"] == scores["ter"] == pytest.approx(sacrebleu.corpus_ter(hyps, [refs]).score, abs=1e-9)
+
+
+def test_signatures_text_lists_each_distinct_signature_once():
+    cased = translation_scores(["A dog ."], ["A dog ."])
+    lowered = translation_scores(["a dog ."], ["A dog ."])
+    text = signatures_text([cased, cased, lowered])
+    assert text.startswith(f"sacreBLEU `{cased['sacrebleu_signature']}` or `{lowered['sacrebleu_signature']}`; chrF ")
+    assert text.count(cased["ter_signature"]) == 1 and text.endswith(f"TER `{cased['ter_signature']}`")
+    assert signatures_text([{"sacrebleu_signature": "x"}]) == "sacreBLEU `x`" and signatures_text([]) == ""

@@ -7,14 +7,17 @@
   package does not ship;
 * detokenized sacreBLEU with its signature: :func:`detokenize` (sacremoses) on the
   hypotheses, then :func:`detok_sacrebleu`; :func:`sacrebleu_scores` scores a lower-cased
-  system against true-case references case-insensitively (:func:`lowercased_system`).
+  system against true-case references case-insensitively (:func:`lowercased_system`);
+* chrF and TER beside it, sacreBLEU's ``CHRF()`` and ``TER()`` with their defaults, each with its
+  signature: :func:`detok_chrf`, :func:`detok_ter`; :func:`translation_scores` computes all three
+  metrics from the same detokenized lines, the one place every command's scores come from.
 
 :func:`parse_generate_output` reads ``fairseq-generate``'s stdout into a :class:`GenerateResult`.
 """
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from . import AnalysisError
 
@@ -137,6 +140,30 @@ def detok_sacrebleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "1
     return float(score.score), str(metric.get_signature())
 
 
+def detok_chrf(hyps: Sequence[str], refs: Sequence[str], lowercase: bool = False) -> Tuple[float, str]:
+    """(corpus chrF, its signature) of detokenized hypotheses against one reference each:
+    sacreBLEU's ``CHRF()`` defaults (character 6-grams, no word n-grams, beta 2), case-insensitive
+    (``case:lc``) with LOWERCASE."""
+    from sacrebleu.metrics import CHRF
+
+    _check_pairs(hyps, refs)
+    metric = CHRF(lowercase=lowercase)
+    score = metric.corpus_score(list(hyps), [list(refs)])
+    return float(score.score), str(metric.get_signature())
+
+
+def detok_ter(hyps: Sequence[str], refs: Sequence[str]) -> Tuple[float, str]:
+    """(corpus TER, its signature) of detokenized hypotheses against one reference each:
+    sacreBLEU's ``TER()`` defaults, which are case-insensitive (``case:lc``) already. Lower is
+    better: edits per reference word, in percent (can exceed 100)."""
+    from sacrebleu.metrics import TER
+
+    _check_pairs(hyps, refs)
+    metric = TER()
+    score = metric.corpus_score(list(hyps), [list(refs)])
+    return float(score.score), str(metric.get_signature())
+
+
 def _has_upper(line: str) -> bool:
     return line != line.lower()
 
@@ -176,6 +203,44 @@ def sacrebleu_scores(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "
             scores["sacrebleu"], scores["sacrebleu_signature"] = detok_sacrebleu(hyps, refs, tokenize, lowercase=True)
             scores["lowercase"], scores["lowercase_reason"] = True, LOWERCASE_REASON
     return scores
+
+
+def translation_scores(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a",
+                       case_sensitive: bool = False) -> Dict[str, object]:
+    """sacreBLEU, chrF and TER of the same detokenized HYPS against REFS, each with its signature:
+    :func:`sacrebleu_scores`'s keys, plus ``chrf``/``chrf_signature`` (case-insensitive exactly
+    when the sacreBLEU headline is: a lower-cased system against true-case references), the
+    case-sensitive ``chrf_case_sensitive``/``chrf_case_sensitive_signature``, always, and
+    ``ter``/``ter_signature`` (sacreBLEU's TER is case-insensitive by default)."""
+    scores = sacrebleu_scores(hyps, refs, tokenize, case_sensitive=case_sensitive)
+    cased, cased_signature = detok_chrf(hyps, refs)
+    scores["chrf"], scores["chrf_signature"] = (detok_chrf(hyps, refs, lowercase=True) if scores["lowercase"]
+                                                else (cased, cased_signature))
+    scores["chrf_case_sensitive"], scores["chrf_case_sensitive_signature"] = cased, cased_signature
+    scores["ter"], scores["ter_signature"] = detok_ter(hyps, refs)
+    return scores
+
+
+#: the metrics of :func:`translation_scores` as tables name them, with their keys in its dict
+METRICS = (("sacreBLEU", "sacrebleu"), ("chrF", "chrf"), ("TER", "ter"))
+
+
+def signatures_text(records: Iterable[Mapping[str, object]]) -> str:
+    """The signatures of sacreBLEU, chrF and TER that RECORDS (results of
+    :func:`translation_scores`, or dicts with its ``*_signature`` keys) were scored with, for a
+    table's caption: ``sacreBLEU `SIG`; chrF `SIG`; TER `SIG```, each distinct signature once (a
+    metric scored two ways lists both, joined by ``or``)."""
+    records = list(records)
+    parts = []
+    for name, key in METRICS:
+        seen: List[str] = []
+        for record in records:
+            signature = record.get(f"{key}_signature")
+            if signature is not None and str(signature) not in seen:
+                seen.append(str(signature))
+        if seen:
+            parts.append(f"{name} " + " or ".join(f"`{s}`" for s in seen))
+    return "; ".join(parts)
 
 
 def detokenize(lines: Sequence[str], lang: str) -> List[str]:

@@ -5,7 +5,7 @@ data-bin with the same budget and flags (the real ``fairseq-train``), evaluates 
 ``fairseq-modattn evaluate`` does (average of the last epoch checkpoints, beam 5), measures the
 attention redundancy LR / HR of the averaged model, and writes
 
-    OUTPUT_DIR/table.md, table.csv    n_c, parameters, LR, HR, BLEU (+ sacreBLEU, compound split)
+    OUTPUT_DIR/table.md, table.csv    n_c, parameters, LR, HR, BLEU (+ sacreBLEU, chrF, TER, compound split)
     OUTPUT_DIR/bleu_vs_clusters.png   BLEU (and LR / HR) against n_c
     OUTPUT_DIR/summary.json           everything above, with the settings
     OUTPUT_DIR/ncN/                   checkpoints/, train.log, evaluation/, redundancy.json
@@ -24,7 +24,7 @@ import shlex
 from pathlib import Path
 from typing import Dict, List
 
-from ..analysis import AnalysisError
+from ..analysis import AnalysisError, scoring
 from ..atomic_files import write_json_atomically
 from ..models.attention_types import ATTENTION_TYPES
 from . import runs
@@ -124,7 +124,8 @@ def training_run(run_dir: Path, clusters: int, args, settings: Dict) -> runs.Tra
     return runs.TrainingRun(f"n_c={clusters}", run_dir, command)
 
 
-COLUMNS = ["n_c", "params", "LR", "HR", "BLEU", "sacreBLEU", "compound-split BLEU", "checkpoints averaged"]
+COLUMNS = ["n_c", "params", "LR", "HR", "BLEU", "sacreBLEU", "chrF", "TER", "compound-split BLEU",
+           "checkpoints averaged"]
 
 
 def table_rows(results: Dict[int, Dict]) -> List[Dict]:
@@ -135,8 +136,10 @@ def table_rows(results: Dict[int, Dict]) -> List[Dict]:
         rows.append({
             "n_c": clusters, "params": red["parameters"], "LR": measured["LR"], "HR": measured["HR"],
             "BLEU": ev["bleu"],
-            "sacreBLEU": ev["sacrebleu"], "compound-split BLEU": ev["compound_split_bleu"],
-            "checkpoints averaged": len(ev["checkpoints"]),
+            "sacreBLEU": ev["sacrebleu"], "chrF": ev["chrf"], "TER": ev["ter"],
+            "compound-split BLEU": ev["compound_split_bleu"], "checkpoints averaged": len(ev["checkpoints"]),
+            # in summary.json and the table's caption, not columns of table.csv
+            "signatures": {key: ev[f"{key}_signature"] for _, key in scoring.METRICS},
         })
     return rows
 
@@ -156,7 +159,9 @@ def markdown_table(rows: List[Dict], settings: Dict) -> str:
         "",
         f"Data `{settings['data']}`, split `{settings['subset']}`, budget {budget}, seed {settings['seed']}; "
         f"BLEU of the average of the last {settings['num_epoch_checkpoints']} epoch checkpoints (beam "
-        f"{settings['beam']}); LR / HR over {settings['attention']} attention (lower is less redundant).",
+        f"{settings['beam']}); LR / HR over {settings['attention']} attention (lower is less redundant). "
+        "sacreBLEU, chrF and TER (lower is better) score the detokenized translations, with the signatures "
+        + scoring.signatures_text([{f"{k}_signature": v for k, v in r["signatures"].items()} for r in rows]) + ".",
         "",
         "| " + " | ".join(columns) + " |",
         "|" + "|".join("---" for _ in columns) + "|",
@@ -168,7 +173,7 @@ def markdown_table(rows: List[Dict], settings: Dict) -> str:
 
 def csv_table(rows: List[Dict]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
     for row in rows:
         writer.writerow({k: ("" if v is None else v) for k, v in row.items()})

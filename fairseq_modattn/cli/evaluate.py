@@ -4,10 +4,15 @@ One command does what docs/design.md, "Evaluation definitions", asks for: averag
 epoch checkpoints (the mean ``fairseq-modattn average``, cli/average.py, writes), run the real
 ``fairseq-generate`` (beam 5, ``--remove-bpe``) on a split, check that every sentence of the
 split was translated (fairseq main silently drops batches: docs/design.md, "fairseq
-pitfalls"), and report fairseq's tokenized BLEU, detokenized sacreBLEU with its signature and,
-for WMT14, compound-split BLEU, in a JSON file, with the generation options fairseq-generate ran
-with (arguments after ``--`` included). sacreBLEU of a lower-cased system against true-case
-references is case-insensitive unless ``--case-sensitive``.
+pitfalls"), and report fairseq's tokenized BLEU, detokenized sacreBLEU, chrF and TER with their
+signatures, optionally COMET (``--comet MODEL``, the ``[comet]`` extra) and, for WMT14,
+compound-split BLEU, in a JSON file, with the generation options fairseq-generate ran with
+(arguments after ``--`` included). sacreBLEU and chrF of a lower-cased system against true-case
+references are case-insensitive unless ``--case-sensitive``.
+
+Beside the JSON go the detokenized hypotheses and references that were scored, one sentence a
+line in the split's order (:func:`transcript_paths`), for any other scorer (``sacrebleu
+--paired-bs``, ``fairseq-modattn compare``); the JSON names them.
 """
 
 import argparse
@@ -25,7 +30,7 @@ from .. import child_processes
 from ..analysis import AnalysisError
 from ..analysis import checkpoints as ckpt
 from ..analysis import scoring
-from ..atomic_files import check_output_file, write_json_atomically
+from ..atomic_files import check_output_file, load_json, write_json_atomically, write_lines
 from ..folder_lock import exclusive_use
 from ..disk_space import describe_disk_full
 from ..data.errors import DataError
@@ -46,6 +51,50 @@ RESERVED_GENERATE_FLAGS = {
 def _refuse_directory_output(path, flag: str = "--output"):
     """AnalysisError '--output X is a directory; give a file path' (checked before any work)."""
     check_output_file(path, flag, error=AnalysisError)
+
+
+# ------------------------------------------------------------------ the scored text beside the JSON
+def transcript_paths(output) -> Tuple[Path, Path]:
+    """(hypotheses file, references file) beside the results JSON OUTPUT: ``hyp.txt`` and
+    ``ref.txt`` for the default ``results.json``, else ``STEM.hyp.txt`` and ``STEM.ref.txt``, so
+    several results files in one folder (``--output res/dma.json``, ``--output res/base.json``)
+    keep their own."""
+    output = Path(output)
+    prefix = "" if output.name == "results.json" else output.stem + "."
+    return output.parent / f"{prefix}hyp.txt", output.parent / f"{prefix}ref.txt"
+
+
+def _check_transcripts_writable(output) -> None:
+    """AnalysisError, before any work, unless the transcripts of OUTPUT may be written: each is
+    missing, or is the file that the results JSON OUTPUT already names (an earlier evaluation
+    into OUTPUT wrote both). Any other file there is someone else's, and is never replaced. (Two
+    evaluations into one OUTPUT are refused by its lock, which so covers its transcripts too.)"""
+    output = Path(output)
+    named: set = set()
+    if output.is_file():
+        try:
+            recorded = load_json(output)
+        except (ValueError, OSError):
+            recorded = None
+        if isinstance(recorded, dict):
+            named = {recorded.get("hypotheses_file"), recorded.get("references_file")}
+    for path in transcript_paths(output):
+        check_output_file(path, "the scored text", error=AnalysisError)
+        if (path.exists() or path.is_symlink()) and str(path.resolve()) not in named:
+            raise AnalysisError(f"{path} exists and {output} does not name it as its scored text (an earlier "
+                                "evaluation into that results file would): it is not this command's to replace; "
+                                "move it away, or give another --output")
+
+
+def _write_transcripts(output, hyps: Sequence[str], refs: Sequence[str]) -> Dict[str, str]:
+    """Write the scored HYPS and REFS beside OUTPUT (each atomically); their absolute paths as
+    the results' ``hypotheses_file`` and ``references_file``."""
+    hyp_path, ref_path = transcript_paths(output)
+    for path, lines in ((hyp_path, hyps), (ref_path, refs)):
+        if any("\n" in line or "\r" in line for line in lines):  # one sentence a line, whatever reads it
+            raise AnalysisError(f"a sentence to write to {path} holds a line break")
+        write_lines(path, lines)
+    return {"hypotheses_file": str(hyp_path.resolve()), "references_file": str(ref_path.resolve())}
 
 
 # ------------------------------------------------------------------ the data-bin split
@@ -277,13 +326,18 @@ def _generation_fairseq_logged(parsed: Dict[str, object], text: str, result: sco
     return generation
 
 
-def _versions() -> Dict[str, str]:
+def _versions(comet: bool = False) -> Dict[str, str]:
     import fairseq
     import sacrebleu
     import torch
 
-    return {"fairseq": fairseq.__version__, "torch": torch.__version__, "sacrebleu": sacrebleu.__version__,
-            "python": sys.version.split()[0]}
+    versions = {"fairseq": fairseq.__version__, "torch": torch.__version__, "sacrebleu": sacrebleu.__version__,
+                "python": sys.version.split()[0]}
+    if comet:
+        from ..analysis.comet_scoring import comet_version
+
+        versions["unbabel-comet"] = comet_version()
+    return versions
 
 
 def evaluate_checkpoints(
@@ -305,13 +359,22 @@ def evaluate_checkpoints(
     source_lang: Optional[str] = None,
     target_lang: Optional[str] = None,
     case_sensitive: bool = False,
+    output=None,
+    comet: Optional[str] = None,
 ) -> dict:
     """Average CHECKPOINTS (when more than one), translate SUBSET of DATA with the real
     ``fairseq-generate``, check every sentence was translated, and return the results dict
     (the JSON that ``fairseq-modattn evaluate`` writes).
 
     ``work_dir`` receives ``averaged.pt`` and ``generate-SUBSET.txt`` (fairseq-generate's stdout;
-    its stderr goes to ``generate-SUBSET.log``). Nothing is written before the inputs are checked.
+    its stderr goes to ``generate-SUBSET.log``). The detokenized hypotheses and references that
+    were scored go beside OUTPUT, the results JSON the caller writes (default
+    ``WORK_DIR/results.json``), in the files :func:`transcript_paths` names, recorded as
+    ``hypotheses_file`` and ``references_file``; existing files there that OUTPUT does not name
+    are refused. Nothing is written before the inputs are checked.
+
+    COMET, the model COMET names (:mod:`..analysis.comet_scoring`), is loaded before the
+    translation, so a missing package or model stops the command at once.
 
     BEAM and LENPEN go on fairseq-generate's command line before EXTRA_GENERATE_ARGS, which
     override them; the results' ``beam``, ``lenpen`` and ``generation`` (all of fairseq's
@@ -330,6 +393,8 @@ def evaluate_checkpoints(
     _check_extra_args(extra_generate_args)
     expected, src, tgt = count_split_sentences(data, subset, source_lang, target_lang)
     raw_refs = _read_references(references, expected, subset) if references is not None else None
+    output = Path(output) if output is not None else Path(work_dir) / "results.json"
+    _check_transcripts_writable(output)
     tokenize = sacrebleu_tokenize or ("zh" if tgt == "zh" else "13a")
     generate = fairseq_script("fairseq-generate")
     work_dir = Path(work_dir)
@@ -359,24 +424,30 @@ def evaluate_checkpoints(
         raise AnalysisError(str(e)) from e
     if cannot_tell:
         log(f"warning: {cannot_tell}")
+    comet_model = None
+    if comet is not None:  # before the translation: a model that cannot be loaded stops the command now
+        from ..analysis.comet_scoring import load_comet_model
+
+        log(f"loading the COMET model {comet}")
+        comet_model = load_comet_model(comet)
     work_dir.mkdir(parents=True, exist_ok=True)
     if len(checkpoints) > 1:
         log(f"averaging {len(checkpoints)} checkpoints: {', '.join(str(c) for c in checkpoints)}")
         ckpt.save_checkpoint_atomically(ckpt.average_checkpoints(checkpoints), model_path)
     log(f"generating {expected} sentences of {subset} ({src}-{tgt}) with beam {generation['beam']}, "
         f"lenpen {generation['lenpen']}")
-    output = work_dir / f"generate-{subset}.txt"
-    stdout = _run_generate(command, output, expected, log)
+    generated = work_dir / f"generate-{subset}.txt"
+    stdout = _run_generate(command, generated, expected, log)
     result = scoring.parse_generate_output(stdout)
-    _check_every_sentence_translated(result, expected, subset, output)
+    _check_every_sentence_translated(result, expected, subset, generated)
     if result.bleu is None:
         raise AnalysisError(f"fairseq-generate printed no 'Generate {subset} with beam=...: BLEU4' line "
-                            f"(does the data-bin hold the {tgt} side of {subset}?); output in {output}")
+                            f"(does the data-bin hold the {tgt} side of {subset}?); output in {generated}")
     if len(result.targets) != expected and (raw_refs is None or compound_split):
         raise AnalysisError(f"fairseq-generate printed {len(result.targets)} T- (reference) lines for "
-                            f"{expected} sentences; output in {output}")
+                            f"{expected} sentences; output in {generated}")
     generation = _generation_fairseq_logged(
-        generation, stdout + "\n" + output.with_suffix(".log").read_text(encoding="utf-8"), result, output)
+        generation, stdout + "\n" + generated.with_suffix(".log").read_text(encoding="utf-8"), result, generated)
 
     log("scoring")
     ids = range(expected)
@@ -387,17 +458,32 @@ def evaluate_checkpoints(
         reference_kind = "moses-detokenized T- lines of fairseq-generate"
     else:
         refs_for_sacrebleu, reference_kind = raw_refs, f"file {Path(references).resolve()}"
-    sacre = scoring.sacrebleu_scores(detok_hyps, refs_for_sacrebleu, tokenize, case_sensitive=case_sensitive)
+    sacre = scoring.translation_scores(detok_hyps, refs_for_sacrebleu, tokenize, case_sensitive=case_sensitive)
     if sacre["lowercase"]:
-        log(f"sacreBLEU is case-insensitive (sacreBLEU lowercase=True): {sacre['lowercase_reason']}; "
-            f"the case-sensitive score, {sacre['sacrebleu_case_sensitive']:.2f}, is recorded too "
-            "(--case-sensitive makes it the headline)")
+        log(f"sacreBLEU is case-insensitive (sacreBLEU lowercase=True), and so is chrF: {sacre['lowercase_reason']}; "
+            f"the case-sensitive scores, sacreBLEU {sacre['sacrebleu_case_sensitive']:.2f} and chrF "
+            f"{sacre['chrf_case_sensitive']:.2f}, are recorded too (--case-sensitive makes them the headline)")
     elif sacre["lowercase_reason"]:
         log(f"warning: sacreBLEU is case-sensitive as --case-sensitive asks, although {scoring.LOWERCASE_REASON}")
     split_bleu = None
     if compound_split:
         split_bleu = scoring.tokenized_bleu([scoring.compound_split(h) for h in hyps],
                                             [scoring.compound_split(result.targets[i]) for i in ids])
+    comet_score = None
+    if comet_model is not None:
+        from ..analysis.comet_scoring import comet_system_score
+
+        if len(result.sources) != expected:
+            raise AnalysisError(f"fairseq-generate printed {len(result.sources)} S- (source) lines for "
+                                f"{expected} sentences, and COMET needs the sources; output in {generated}")
+        sources = scoring.detokenize([result.sources[i] for i in ids], src)
+        log(f"scoring with COMET ({comet})")
+        comet_score = comet_system_score(comet_model, sources, detok_hyps, refs_for_sacrebleu,
+                                         gpus=0 if "--cpu" in command else 1)
+    log("sacreBLEU {:.2f}, chrF {:.2f}, TER {:.2f}{} on {} sentences of {}".format(
+        sacre["sacrebleu"], sacre["chrf"], sacre["ter"], "" if comet_score is None else f", COMET {comet_score:.4f}",
+        expected, subset))
+    transcripts = _write_transcripts(output, detok_hyps, refs_for_sacrebleu)
     return {
         "data": data,
         "subset": subset,
@@ -411,16 +497,58 @@ def evaluate_checkpoints(
         "lenpen": generation["lenpen"],
         "generation": generation,
         "generate_command": shlex.join(command),
-        "generate_output": str(output.resolve()),
+        "generate_output": str(generated.resolve()),
         "bleu": result.bleu,
         "bleu_line": result.bleu_line,
         **sacre,
         "sacrebleu_tokenize": tokenize,
         "sacrebleu_references": reference_kind,
+        **transcripts,
         "compound_split_bleu": split_bleu,
-        "versions": _versions(),
+        "comet": comet_score,
+        "comet_model": comet,
+        "versions": _versions(comet is not None),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+#: the results keys that evaluations made before chrF and TER were scored lack
+LATER_KEYS = ("chrf", "chrf_signature", "ter", "ter_signature", "hypotheses_file", "references_file")
+
+
+def complete_recorded_scores(results: dict, output) -> bool:
+    """Give RESULTS, the results JSON OUTPUT of an evaluation made before chrF, TER and the
+    scored text files existed, what it lacks, from its kept ``generate_output`` (fairseq-generate's
+    stdout) and the references it recorded: the same detokenized text scored again, no
+    translation. Its sacreBLEU must come out as recorded (else the kept output is not what was
+    scored: an AnalysisError). Writes the transcripts beside OUTPUT; the caller rewrites OUTPUT.
+    False when nothing was missing."""
+    if all(key in results for key in LATER_KEYS):
+        return False
+    generated = Path(results["generate_output"])
+    if not generated.is_file():
+        raise AnalysisError(f"{output} has no chrF/TER and its fairseq-generate output {generated} is gone: "
+                            "it cannot be scored again; remove it to evaluate anew")
+    _check_transcripts_writable(output)
+    result = scoring.parse_generate_output(generated.read_text(encoding="utf-8"))
+    ids = range(results["sentences"])
+    tgt = results["target_lang"]
+    _check_every_sentence_translated(result, results["sentences"], results["subset"], generated)
+    hyps = scoring.detokenize([result.hypotheses[i] for i in ids], tgt)
+    kind = results["sacrebleu_references"]
+    if kind.startswith("file "):
+        refs = _read_references(Path(kind[len("file "):]), results["sentences"], results["subset"])
+    else:
+        refs = scoring.detokenize([result.targets[i] for i in ids], tgt)
+    case_sensitive = bool(results.get("lowercase_reason")) and not results.get("lowercase")
+    scores = scoring.translation_scores(hyps, refs, results["sacrebleu_tokenize"], case_sensitive=case_sensitive)
+    if abs(scores["sacrebleu"] - results["sacrebleu"]) > 1e-6:
+        raise AnalysisError(f"{generated} scores sacreBLEU {scores['sacrebleu']:.4f}, but {output} records "
+                            f"{results['sacrebleu']:.4f}: the kept output is not what was scored; remove {output} "
+                            "to evaluate anew")
+    results.update({k: v for k, v in scores.items() if k not in results})
+    results.update(_write_transcripts(output, hyps, refs))
+    return True
 
 
 def summary_table(results: dict, output: Path) -> str:
@@ -432,12 +560,19 @@ def summary_table(results: dict, output: Path) -> str:
                   f"{results['sentences']} sentences, all translated"),
         ("BLEU (fairseq, tokenized)", f"{results['bleu']:.2f}"),
         ("sacreBLEU (detokenized)", f"{results['sacrebleu']:.2f}  {results['sacrebleu_signature']}"),
+        ("chrF (detokenized)", f"{results['chrf']:.2f}  {results['chrf_signature']}"),
+        ("TER (detokenized)", f"{results['ter']:.2f}  {results['ter_signature']}"),
     ]
     if results.get("lowercase_reason"):
         rows.append(("sacreBLEU case-sensitive", f"{results['sacrebleu_case_sensitive']:.2f}  "
                                                  f"{results['sacrebleu_case_sensitive_signature']}"))
+        rows.append(("chrF case-sensitive", f"{results['chrf_case_sensitive']:.2f}  "
+                                           f"{results['chrf_case_sensitive_signature']}"))
+    if results.get("comet") is not None:
+        rows.append(("COMET", f"{results['comet']:.4f}  {results['comet_model']}"))
     if results["compound_split_bleu"] is not None:
         rows.append(("compound-split BLEU", f"{results['compound_split_bleu']:.2f}"))
+    rows.append(("scored text", f"{results['hypotheses_file']}, {results['references_file']}"))
     rows.append(("results", str(output)))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -451,7 +586,10 @@ def evaluate_parser() -> argparse.ArgumentParser:
               "[options] [-- extra fairseq-generate args]",
         description="Average checkpoints, translate a data-bin split with fairseq-generate (beam 5, "
                     "--remove-bpe), check every sentence was translated, and write tokenized BLEU, "
-                    "detokenized sacreBLEU and optionally compound-split BLEU to a JSON file. "
+                    "detokenized sacreBLEU, chrF and TER (with their signatures), optionally COMET and "
+                    "compound-split BLEU to a JSON file, and the scored detokenized hypotheses and "
+                    "references beside it (hyp.txt and ref.txt beside results.json, else STEM.hyp.txt "
+                    "and STEM.ref.txt). "
                     "Arguments after '--' go to fairseq-generate unchanged (e.g. -- --max-len-b 200) and "
                     "override --beam/--lenpen; the JSON records the generation options fairseq-generate "
                     "ran with (\"beam\", \"lenpen\" and all of them in \"generation\").",
@@ -488,9 +626,16 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         "case-insensitive (lowercase=True, case:lc in its signature), the JSON says so in "
                         "\"lowercase\" and \"lowercase_reason\", and the case-sensitive score is kept in "
                         "\"sacrebleu_case_sensitive\"")
+    p.add_argument("--comet", metavar="MODEL",
+                   help="also score with COMET (needs the optional unbabel-comet package: pip install "
+                        "'fairseq-modattn[comet]'): MODEL is a Hugging Face hub name (e.g. Unbabel/wmt22-comet-da; "
+                        "downloaded, or found in the hub cache) or a local model folder or checkpoint file; the "
+                        "JSON gains \"comet\" (the system score) and \"comet_model\". The model is loaded before "
+                        "the translation, so one that cannot be loaded stops the command at once")
     p.add_argument("--cpu", action="store_true", help="generate on CPU (also the default without CUDA)")
     p.add_argument("--output", metavar="FILE",
-                   help="results JSON file (default: WORK_DIR/results.json; a directory is refused)")
+                   help="results JSON file (default: WORK_DIR/results.json; a directory is refused); the scored "
+                        "text goes beside it")
     p.add_argument("--work-dir", metavar="DIR",
                    help="folder for averaged.pt and generate-SUBSET.txt (default: OUTPUT's name + '.work' next "
                         "to --output, else evaluation/ under the checkpoint directory)")
@@ -553,7 +698,8 @@ def evaluate(argv: List[str]) -> int:
                 references=Path(args.references) if args.references else None,
                 sacrebleu_tokenize=args.sacrebleu_tokenize, cpu=args.cpu, work_dir=work_dir,
                 extra_generate_args=extra, log=print, source_lang=args.source_lang,
-                target_lang=args.target_lang, case_sensitive=args.case_sensitive,
+                target_lang=args.target_lang, case_sensitive=args.case_sensitive, output=output,
+                comet=args.comet,
             )
             write_json_atomically(results, output)
     except AnalysisError as e:

@@ -9,7 +9,7 @@ One command that
    the recipes with ``--models``) with the real ``fairseq-train``, the same budget and flags,
    several at a time when there are cores for it;
 3. evaluates each final model on ``test_2016_flickr`` (real ``fairseq-generate``, beam 5,
-   fairseq's BLEU and sacreBLEU) and measures the redundancy LR / HR of its attention heads;
+   fairseq's BLEU, sacreBLEU, chrF and TER) and measures the redundancy LR / HR of its attention heads;
 4. prints a side-by-side table and writes ``OUTPUT_DIR/table.md`` and ``summary.json``.
 
 Every step is resumable (``cli/runs.py``): rerun the same command after an interruption.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from ..analysis import AnalysisError
+from ..analysis import AnalysisError, scoring
 from ..atomic_files import write_json_atomically
 from ..models.attention_types import ATTENTION_TYPES
 from . import runs
@@ -147,7 +147,10 @@ def compare_one(name: str, args, data: Path, train_extra: List[str], cpu: bool, 
 def row_of(name: str, evaluation: Dict, measured: Dict, stats: Dict) -> Dict:
     red = measured["redundancy"]
     row = {"model": name, "params": measured["parameters"], "BLEU": evaluation["bleu"],
-           "sacreBLEU": evaluation["sacrebleu"], "valid nll": stats["valid_nll_loss"], "updates": stats["num_updates"],
+           "sacreBLEU": evaluation["sacrebleu"], "chrF": evaluation["chrf"], "TER": evaluation["ter"],
+           "sacreBLEU signature": evaluation["sacrebleu_signature"], "chrF signature": evaluation["chrf_signature"],
+           "TER signature": evaluation["ter_signature"], "valid nll": stats["valid_nll_loss"],
+           "updates": stats["num_updates"],
            "tokens/s": stats["wps"], "train min": None if stats["train_wall"] is None else stats["train_wall"] / 60}
     for attention in ATTENTIONS:
         row[f"LR {attention}"] = red[attention]["LR"] if attention in red else None
@@ -156,8 +159,8 @@ def row_of(name: str, evaluation: Dict, measured: Dict, stats: Dict) -> Dict:
 
 
 def markdown_table(rows: List[Dict]) -> str:
-    columns = ["model", "params", "BLEU", "LR / HR enc self", "LR / HR dec self", "LR / HR enc-dec",
-               "valid nll", "tokens/s", "train min"]
+    columns = ["model", "params", "BLEU", "sacreBLEU", "chrF", "TER", "LR / HR enc self", "LR / HR dec self",
+               "LR / HR enc-dec", "valid nll", "tokens/s", "train min"]
 
     def cell(row, column):
         if column.startswith("LR / HR"):
@@ -169,8 +172,9 @@ def markdown_table(rows: List[Dict]) -> str:
             return "n/a"
         if column == "params":
             return f"{value:,}"
-        return {"BLEU": "{:.2f}", "valid nll": "{:.3f}", "tokens/s": "{:.0f}", "train min": "{:.1f}"}.get(
-            column, "{}").format(value)
+        formats = {"BLEU": "{:.2f}", "sacreBLEU": "{:.2f}", "chrF": "{:.2f}", "TER": "{:.2f}", "valid nll": "{:.3f}",
+                   "tokens/s": "{:.0f}", "train min": "{:.1f}"}
+        return formats.get(column, "{}").format(value)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(r, c) for c in columns) + " |" for r in rows]
@@ -182,11 +186,15 @@ def report(rows: List[Dict], settings: Dict) -> str:
         f" (at most {settings['max_epoch']} epochs)" if settings["max_epoch"] else "")
     model = ("the average of the last {} epoch checkpoints".format(settings["average_last"])
              if settings["average_last"] else "the final model")
+    signatures = scoring.signatures_text([{f"{key}_signature": r.get(f"{name} signature")
+                                           for name, key in scoring.METRICS} for r in rows])
     return "\n".join([
         "# fairseq-modattn quickstart",
         "",
         f"Data `{settings['data']}`; every model trained for {budget}, seed {settings['seed']}; {model} "
-        f"translates the test split (beam {settings['beam']}; BLEU is fairseq's tokenized BLEU). LR / HR: "
+        f"translates the test split (beam {settings['beam']}; BLEU is fairseq's tokenized BLEU; sacreBLEU, chrF "
+        "and TER (lower is better) score the detokenized translations against the detokenized references, "
+        f"with the signatures {signatures}). LR / HR: "
         "redundancy of the attention heads (mean over layers of the pairwise head similarity; lower is less "
         "redundant, n/a for models without multi-head attention). tokens/s: fairseq's training wps.",
         "",

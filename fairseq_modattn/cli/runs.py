@@ -8,7 +8,8 @@ A run lives in its own directory:
     RUN_DIR/train.command       the command, written when training starts: an unfinished run is
                                 only continued by the same command
     RUN_DIR/train.done          the command, written when training finished
-    RUN_DIR/evaluation/         averaged.pt, generate-SUBSET.txt, results.json
+    RUN_DIR/evaluation/         averaged.pt, generate-SUBSET.txt, results.json and the scored
+                                text beside it, hyp.txt and ref.txt
     RUN_DIR/redundancy.json     parameter count and LR / HR per attention type
 
 Every step leaves its marker when it completes; calling it again returns the recorded result,
@@ -131,9 +132,20 @@ def evaluate(run_dir: Path, label: str, data, *, average_last: int = 0, subset: 
     with exclusive_use(run_dir / "evaluation", error=AnalysisError, what="work dir"):
         if result_path.exists():
             log(f"[{label}] already evaluated ({result_path})")
-            return json_load(result_path)
+            return _with_later_scores(json_load(result_path), result_path, label, log)
         return _evaluate(run_dir, label, data, result_path, average_last, subset, beam, cpu, compound_split,
                          generate_args, log)
+
+
+def _with_later_scores(results: Dict, result_path: Path, label: str, log: Log) -> Dict:
+    """RESULTS of an evaluation made before chrF and TER were scored, completed from its kept
+    translations (no new translation) and saved back; other RESULTS as they are."""
+    from .evaluate import complete_recorded_scores
+
+    if complete_recorded_scores(results, result_path):
+        write_json_atomically(results, result_path)
+        log(f"[{label}] scored the kept translations with chrF and TER too")
+    return results
 
 
 def _evaluate(run_dir, label, data, result_path, average_last, subset, beam, cpu, compound_split, generate_args,
@@ -154,7 +166,8 @@ def _evaluate(run_dir, label, data, result_path, average_last, subset, beam, cpu
         log=lambda m: log(f"[{label}] {m}"),
     )
     write_json_atomically(results, result_path)
-    log(f"[{label}] BLEU {results['bleu']:.2f} on {results['sentences']} {subset} sentences")
+    log(f"[{label}] BLEU {results['bleu']:.2f}, sacreBLEU {results['sacrebleu']:.2f}, chrF {results['chrf']:.2f}, "
+        f"TER {results['ter']:.2f} on {results['sentences']} {subset} sentences")
     return results
 
 

@@ -11,5 +11,6 @@ from . import compat
 compat.apply()  # the documented fairseq/torch fixes, in order (fairseq_modattn/compat/__init__.py)
 
 from . import criterions, models, modules  # noqa: E402,F401  (after the fixes they rely on)
+from .models.hub_interface import FromPretrainedError, from_pretrained  # noqa: E402,F401  (the Python API)
 
 __version__ = "0.1.0"

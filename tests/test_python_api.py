@@ -105,6 +105,20 @@ def test_translate_raw_text_gives_fairseq_generates_detokenized_hypotheses(tiny_
     assert any(h.strip() for h in expected)  # something to compare: not all hypotheses empty
 
 
+def test_decode_detokenizes_as_evaluate_does(few_sentences, multi30k_bin):
+    """The tiny models' hypotheses repeat a few words; the references show decode on real
+    sentences: their ids decode to evaluate's Moses detokenisation of the --remove-bpe text."""
+    from fairseq.data import Dictionary
+
+    data_bin, _, _ = few_sentences
+    dictionary = Dictionary.load(str(data_bin / "dict.en.txt"))
+    text = TextPipeline.from_data_bin(data_bin, dictionary, dictionary, "de", "en")
+    references = (multi30k_bin.parent / "test.bpe.en").read_text(encoding="utf-8").splitlines()[:SENTENCES]
+    decoded = [text.decode(dictionary.encode_line(line, add_if_not_exist=False).tolist()) for line in references]
+    assert decoded == scoring.detokenize([(line + " ").replace("@@ ", "").strip() for line in references], "en")
+    assert any("." in line and " ." not in line for line in decoded)  # detokenised, not just joined
+
+
 def test_without_a_recorded_pipeline_the_message_says_what_to_pass(tiny_checkpoints, few_sentences, tmp_path):
     data_bin, raw, _ = few_sentences
     bare = tmp_path / "bare"  # the same data-bin as plain fairseq-preprocess leaves it

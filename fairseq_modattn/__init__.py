@@ -4,6 +4,10 @@ Load with ``--user-dir fairseq_modattn`` (or ``import fairseq_modattn``). fairse
 ``--user-dir`` imports only ``models/`` and ``tasks/`` by itself, so this file imports the
 rest; ``compat`` first, because it restores fairseq behaviour everything else relies on (and
 two of its fixes must act around fairseq's first import).
+
+In Python, each model class's ``from_pretrained(...).translate(text)`` (and
+``fairseq_modattn.from_pretrained`` for any checkpoint) applies the data-bin's recorded text
+pipeline: ``models/hub_interface.py``, docs/python_api.md.
 """
 
 from . import compat

@@ -38,11 +38,11 @@ from fairseq_modattn.models.tim_transformer import TIMTransformerModel
 
 #: how conftest's multi30k_bin made its text: lower-cased, Moses without escaping, joint BPE
 CONFTEST_TEXT = {lang: TextSettings(lang, escape=False, lowercase=True) for lang in ("de", "en")}
-SENTENCES = 8
+SENTENCES = 6
 #: the model class whose from_pretrained each tiny checkpoint is loaded with (None: the function,
 #: for fairseq's own transformer)
 MODEL_CLASSES = {"transformer": None, "dma": DMATransformerModel, "tim": TIMTransformerModel, "rim": RIMLSTMModel}
-GENERATION = {"beam": 5, "max_len_b": 40}  # the tiny models repeat words: 40 tokens keep it short
+GENERATION = {"beam": 5, "max_len_b": 20}  # the tiny models repeat words to the limit: keep it short
 
 
 def write_manifest(data_bin: Path, text=CONFTEST_TEXT, subword="subword-nmt"):

@@ -22,7 +22,7 @@ from fairseq_modattn.data import iwslt14
 from fairseq_modattn.data.manifest import MANIFEST, read_manifest
 from fairseq_modattn.data.readers import read_lines
 from fairseq_modattn.data.text_settings import TextSettings
-from fairseq_modattn.demo.text import TextPipeline
+from fairseq_modattn.data.text_pipeline import TextPipeline
 
 EN = [
     "The “well-known” author’s book costs 5 € & more.",

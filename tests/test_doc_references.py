@@ -56,6 +56,7 @@ EXTERNAL_PATHS = {
     "evaluate_disentangled_transformer.sh", "evaluate_transformer.sh",
     "fairseq/modules/transformer_layer.py", "multihead_attention.py", "fairseq/options.py",
     "fairseq/models/__init__.py",                       # fairseq's own files
+    "ctranslate2/converters/fairseq.py",                # CTranslate2's fairseq converter
     "event_based/blocks_core.py", "attention.py", "BlockLSTM.py",  # the RIMs' reference code
     "MT/Fairseq/examples/translation/train_disentangled_transformer.sh",
     "average_checkpoints.py", "compound_split_bleu.sh", "scripts/compound_split_bleu.sh",
@@ -80,6 +81,8 @@ OTHER_TOOLS = {
     "curl": set(),
     "srun": {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task"},  # SLURM
     "wandb": set(),
+    "ct2-fairseq-converter": {"--model_path", "--data_dir", "--source_lang", "--target_lang", "--user_dir",
+                              "--output_dir", "--unsafe_deserialization"},  # CTranslate2's (docs/python_api.md)
 }
 #: pytest's own flags the documents use (the suite's own options come from tests/conftest.py)
 PYTEST_FLAGS = {"--durations", "--collect-only"}

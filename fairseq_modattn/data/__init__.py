@@ -20,6 +20,8 @@ and is built from the shared modules of this package, each one concept:
     subwords.py   learning subword-nmt and sentencepiece models, and the recipes' subword steps
     binarize.py   fairseq-preprocess, run safely, and the recipes' "binarize" step
     manifest.py   the data-bin's prepare-manifest.json, and the checks of prepare's paths
+    text_pipeline.py  one raw sentence <-> the model's token ids, as the recorded settings say
+                  (the demo's and the Python API's text steps)
     summary.py    what a recipe reports, and the common tail of the recipes
 
 Files are written through ``fairseq_modattn/atomic_files.py`` (whole or not at all). A recipe's

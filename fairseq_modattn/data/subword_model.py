@@ -3,7 +3,7 @@
 This is what both sides of the pipeline share. The recipes learn models and apply them to
 whole splits (``subwords.py``); the text settings record which model a language went through,
 and the demo applies that model to one typed sentence (``text_settings.py``,
-``fairseq_modattn/demo/text.py``). Both import from here, so neither imports the other.
+``fairseq_modattn/data/text_pipeline.py``). Both import from here, so neither imports the other.
 
     SUBWORD_METHODS      the subword models: ``subword-nmt`` (BPE with ``@@ `` continuation
                          marks) and ``sentencepiece``; ``NO_SUBWORD`` (``none``) is text the

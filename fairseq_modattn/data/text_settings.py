@@ -17,9 +17,9 @@ One ``TextSettings`` per language and split kind says which steps a recipe runs,
 ``process_sentence`` is both, for one sentence. The recipes (``multi30k.py``, ``iwslt14.py``,
 ``wmt14.py``, ``wmt17.py``) make their text with these functions, and ``binarize_step`` records
 the settings of the test split of each language (what the model is evaluated on: new text,
-never cleaned) in the data-bin's ``prepare-manifest.json`` under ``"text"``. The demo
-(``fairseq_modattn/demo/text.py``) reads them back (``recorded_settings``) and calls the same
-functions, so the two cannot drift.
+never cleaned) in the data-bin's ``prepare-manifest.json`` under ``"text"``. The text
+pipeline of the demo and of the Python API (``fairseq_modattn/data/text_pipeline.py``) reads
+them back (``recorded_settings``) and calls the same functions, so the two cannot drift.
 """
 
 import functools

@@ -1,10 +1,12 @@
 """The translation demo: ``fairseq-modattn serve`` (a Flask app with a Plotly page).
 
-    text.py        raw sentence <-> the model's subword tokens, as the data recipes made them
     translator.py  one checkpoint: beam search, then the teacher-forced forward of the best
                    hypothesis read out per layer and head (attention, DMA clusters and masks,
                    TIM competition, RIM activation)
     app.py         the HTTP API and the page (``static/``), one translation at a time
+
+Raw sentences become the model's subword tokens, and back, as the data recipes made them, in
+``fairseq_modattn/data/text_pipeline.py`` (shared with the Python API, ``from_pretrained``).
 
 Flask and plotly are the ``demo`` extra (``pip install 'fairseq-modattn[demo]'``); nothing here
 is imported by ``fairseq_modattn/__init__.py``.

@@ -2,7 +2,7 @@
 
 ``Translator.translate(text)``:
 
-1. encodes the sentence as the data recipe did (``text.TextPipeline``: the text settings
+1. encodes the sentence as the data recipe did (``data/text_pipeline.py``: the text settings
    ``prepare`` recorded in the data-bin, or guesses for a data-bin without them);
 2. translates it with fairseq's own ``SequenceGenerator`` (``task.build_generator``, beam search
    with incremental decoding: the hypothesis ``fairseq-generate`` / ``fairseq-interactive``
@@ -56,8 +56,8 @@ from ..analysis.capture import (
     record_modules,
 )
 from ..analysis.loading import load_model, model_name
+from ..data.text_pipeline import TextPipeline, TextPipelineError
 from . import MAX_RESPONSE_BYTES, DemoError
-from .text import TextPipeline
 
 #: decimals of the numbers sent to the page (weights and probabilities in [0, 1])
 DECIMALS = 4
@@ -207,8 +207,12 @@ class Translator:
         data_dir = Path(str(self.task.cfg.data).split(":")[0])
 
         # the recipe's recorded text settings (or, for a data-bin without them, the guesses)
-        self.text = TextPipeline.from_data_bin(data_dir, self.src_dict, self.tgt_dict, src, tgt, tokenizer=tokenizer,
-                                               lowercase=lowercase, bpe=bpe, bpe_codes=bpe_codes)
+        try:
+            self.text = TextPipeline.from_data_bin(data_dir, self.src_dict, self.tgt_dict, src, tgt,
+                                                   tokenizer=tokenizer, lowercase=lowercase, bpe=bpe,
+                                                   bpe_codes=bpe_codes)
+        except TextPipelineError as e:
+            raise DemoError(str(e)) from e
 
         from fairseq.dataclass.configs import GenerationConfig
 

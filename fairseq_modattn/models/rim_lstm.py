@@ -83,6 +83,7 @@ from torch import Tensor, nn
 from ..modules.rim import CELL_TYPES, RECURRENCES, RIMLayer, check_rim_cell
 from .dictionary_fingerprint import RecordsDictionaries
 from .flag_types import finite_float
+from .hub_interface import PretrainedWithTextPipeline
 
 # fairseq's LSTM-encoder flags that LSTMModel.add_args defines but a RIM encoder replaces.
 REPLACED_ENCODER_FLAGS = {
@@ -230,9 +231,10 @@ class RIMEncoder(FairseqEncoder):
 
 # ---------------------------------------------------------------------------- model
 @register_model("rim_lstm")
-class RIMLSTMModel(RecordsDictionaries, LSTMModel):
+class RIMLSTMModel(PretrainedWithTextPipeline, RecordsDictionaries, LSTMModel):
     """``RIMEncoder`` + fairseq's ``LSTMDecoder`` (see the module docstring), with a fingerprint
-    of its dictionaries checked on load (``dictionary_fingerprint.py``)."""
+    of its dictionaries checked on load (``dictionary_fingerprint.py``) and ``from_pretrained``
+    with the data-bin's text pipeline (``hub_interface.py``)."""
 
     @classmethod
     def add_args(cls, parser):

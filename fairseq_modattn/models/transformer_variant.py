@@ -27,6 +27,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 
 from ..modules.attention_base import MultiheadAttentionBase
 from .dictionary_fingerprint import RecordsDictionaries
+from .hub_interface import PretrainedWithTextPipeline
 
 
 def wrap_layer(layer, cfg):
@@ -94,8 +95,9 @@ class VariantDecoder(TransformerDecoderBase):
         return wrap_layer(self.layer_class(cfg, no_encoder_attn), cfg)
 
 
-class TransformerVariantModel(RecordsDictionaries, TransformerModel):
-    """``TransformerModel`` building ``encoder_class`` / ``decoder_class``.
+class TransformerVariantModel(PretrainedWithTextPipeline, RecordsDictionaries, TransformerModel):
+    """``TransformerModel`` building ``encoder_class`` / ``decoder_class``, with
+    ``from_pretrained`` applying the data-bin's text pipeline (``hub_interface.py``).
 
     ``prepare_args(args)`` runs before anything is built: it fills the family's defaults (the
     base architecture function; fairseq calls the named one before) and raises clear errors.

@@ -1,4 +1,8 @@
-"""A raw sentence -> the subword tokens a model was trained on, and back.
+"""A raw sentence -> the subword tokens a model was trained on, and back: ``TextPipeline``.
+
+The demo (``fairseq-modattn serve``, ``demo/translator.py``) and the Python API
+(``Model.from_pretrained(...).translate``, ``models/hub_interface.py``) both translate raw text
+with it, so the two cannot tokenise differently.
 
 The data recipes (``fairseq_modattn/data``) make their text with the functions of
 ``fairseq_modattn/data/text_settings.py``, and ``fairseq-modattn prepare`` records in the
@@ -29,14 +33,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..data import text_settings as T
-from ..data.manifest import MANIFEST
-from ..data.subword_model import NO_SUBWORD, SUBWORD_METHODS, SubwordModel, subword_method, subword_model_name
-from . import DemoError
+from . import text_settings as T
+from .manifest import MANIFEST
+from .subword_model import NO_SUBWORD, SUBWORD_METHODS, SubwordModel, subword_method, subword_model_name
 
 TOKENIZERS = ("auto",) + T.TOKENIZERS
 SUBWORDS = ("auto", *SUBWORD_METHODS, NO_SUBWORD)
 LOWERCASE = ("auto", "yes", "no")
+
+
+class TextPipelineError(ValueError):
+    """The pipeline cannot be built (a bad setting, a missing subword model, a malformed record):
+    one line saying what and where. The demo reports it as its own ``DemoError``."""
 
 
 def subword_choice(name: str) -> str:
@@ -51,7 +59,7 @@ def find_subword_model(data: Path, source_lang: str) -> Tuple[str, Optional[Path
         for name in (subword_model_name(kind, source_lang), subword_model_name(kind)):
             if (data / name).is_file():
                 return kind, data / name
-    raise DemoError(
+    raise TextPipelineError(
         f"no subword model in {data} (looked for code, code.{source_lang}, spm.model, "
         f"spm.{source_lang}.model, which `fairseq-modattn prepare` copies there): pass --bpe "
         "subword-nmt or sentencepiece with --bpe-codes PATH, or --bpe none for text that is "
@@ -108,9 +116,9 @@ class TextPipeline:
         subword = subword_choice(subword)
         if settings is None:
             if tokenizer not in T.TOKENIZERS:
-                raise DemoError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
+                raise TextPipelineError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
             if subword == "auto" or subword not in SUBWORDS:
-                raise DemoError(f"--bpe must be one of {', '.join(SUBWORDS)}, got {subword!r}")
+                raise TextPipelineError(f"--bpe must be one of {', '.join(SUBWORDS)}, got {subword!r}")
             # the demo's steps before data-bins recorded theirs (jieba: as the WMT17 recipe)
             settings = T.TextSettings(source_lang, tokenizer=tokenizer, remove_non_printing=tokenizer == "jieba",
                                       lowercase=bool(lowercase), subword=subword,
@@ -118,7 +126,7 @@ class TextPipeline:
         self.recorded = recorded  # SETTINGS are a data-bin's record: run them on the text as typed
         self.origin = origin or ("given" if recorded else "guessed")
         if settings.subword != NO_SUBWORD and (subword_model is None or not Path(subword_model).is_file()):
-            raise DemoError(f"subword model {subword_model} does not exist (--bpe-codes)")
+            raise TextPipelineError(f"subword model {subword_model} does not exist (--bpe-codes)")
         self.src_dict, self.tgt_dict = src_dict, tgt_dict
         self.source_lang, self.target_lang = source_lang, target_lang
         self.settings = settings
@@ -146,14 +154,14 @@ class TextPipeline:
         for flag, value, choices in (("--tokenizer", tokenizer, TOKENIZERS), ("--lowercase", lowercase, LOWERCASE),
                                      ("--bpe", bpe, SUBWORDS)):
             if value not in choices:
-                raise DemoError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+                raise TextPipelineError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
         if bpe == "auto" and bpe_codes is not None:
-            raise DemoError("--bpe-codes needs --bpe subword-nmt or sentencepiece (which model is it?)")
+            raise TextPipelineError("--bpe-codes needs --bpe subword-nmt or sentencepiece (which model is it?)")
         try:
             recorded = T.recorded_settings(data, source_lang)
             target = T.recorded_settings(data, target_lang)
         except ValueError as e:
-            raise DemoError(str(e)) from None
+            raise TextPipelineError(str(e)) from None
         if recorded is None:
             return cls._guessed(data, src_dict, tgt_dict, source_lang, target_lang, tokenizer, lowercase, bpe,
                                 bpe_codes)
@@ -169,7 +177,7 @@ class TextPipeline:
             if settings.subword != NO_SUBWORD:
                 model = data / settings.subword_model
                 if not model.is_file():
-                    raise DemoError(f"{data / MANIFEST} names the subword model {settings.subword_model}, "
+                    raise TextPipelineError(f"{data / MANIFEST} names the subword model {settings.subword_model}, "
                                     f"which is not in {data}: put it back, or pass --bpe and --bpe-codes")
         else:
             model = bpe_codes

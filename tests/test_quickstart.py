@@ -56,6 +56,19 @@ def test_quickstart_prepares_trains_evaluates_and_tabulates(multi30k_dir, tmp_pa
     for column in ("sacreBLEU", "chrF", "TER"):  # the signatures in the caption, once
         assert table.count(f"{column} `{rows['dma'][column + ' signature']}`") == 1, table
 
+    # compare reads evaluate's real results JSONs (their hyp.txt / ref.txt) and scores each system
+    # exactly as evaluate did
+    _, log = run_cli([MODATTN, "compare", "--system", "transformer", out / "transformer" / "evaluation" / "results.json",
+                      "--system", "dma", out / "dma" / "evaluation" / "results.json", "--samples", "50",
+                      "--json", tmp_path / "compare.json"])
+    compared = json.loads((tmp_path / "compare.json").read_text())
+    assert compared["sentences"] == 1000 and compared["baseline"] == "transformer", log
+    for name in rows:
+        results = json.loads((out / name / "evaluation" / "results.json").read_text())
+        for metric, key in (("bleu", "sacrebleu"), ("chrf", "chrf"), ("ter", "ter")):
+            assert compared["metrics"][metric]["scores"][name] == pytest.approx(results[key], abs=1e-9), metric
+    assert compared["metrics"]["bleu"]["comparisons"]["dma"]["verdict"] in ("better", "worse", "no difference")
+
     # rerunning the finished command reuses every step
     _, log = quickstart(*args)
     for name in rows:

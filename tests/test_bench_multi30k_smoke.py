@@ -33,7 +33,7 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     run([*common, "--models", "transformer", "lstm", "--curve-updates", "3"])
     report = json.loads((out / "curve" / "curve.json").read_text())
     assert set(report["curves"]) == {"transformer", "lstm"}
-    for name, c in report["curves"].items():
+    for c in report["curves"].values():
         assert c["points"] and c["points"][-1][0] == 3 and c["flat_at"] is None  # too short to tell
         assert c["command"][c["command"].index("--max-update") + 1] == "3"
     lstm_command = report["curves"]["lstm"]["command"]
@@ -92,7 +92,8 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
                   "--max-update", "2", "--lstm-max-update", "3", "--status"])
     assert output.startswith(f"{out}: 8 of 8 runs done; no benchmark process is working on it\n")
     first = results["runs"][0]
-    assert f"  transformer seed 1: done, sacreBLEU {first['sacrebleu']:.2f}, valid nll {first['valid_nll_loss']:.3f}\n" \
+    assert f"  transformer seed 1: done, sacreBLEU {first['sacrebleu']:.2f}, " \
+           f"valid nll {first['valid_nll_loss']:.3f}\n" \
         in output and output.endswith("No training left.\n")
 
     # a page without the report's markers is never overwritten

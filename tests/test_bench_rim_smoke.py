@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 SCRIPT = REPO / "benchmarks" / "bench_rim.py"

@@ -10,17 +10,15 @@ these interpreters run with a stand-in ``tensorboardX`` package first on PYTHONP
 to import (``hidden_tensorboardx``).
 """
 
-import os
-
 import argparse
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
 
 import pytest
-
 from conftest import MODATTN, cli_environment
 
 # Every command of cli.main.COMMANDS, every plot kind, every prepare corpus, and `flags --arch A

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from attention_helpers import causal_mask, make_dma, padding
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)

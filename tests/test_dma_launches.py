@@ -13,10 +13,10 @@ adds launches to DMA's step fails here and says by how much.
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
+from tiny_models import tiny_dictionary
 
 import fairseq_modattn  # noqa: F401  (registers the architectures and the criterion)
 from fairseq_modattn.modules import device_paths
-from tiny_models import tiny_dictionary
 
 WIDTH = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
          "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128"]
@@ -121,4 +121,5 @@ def test_decoding_step_launches_within_bound(count_kernel_calls, vocabulary, bui
         per_step[name] = (calls[1] - calls[0]) / 4
     ratio = per_step["dma"] / per_step["transformer"]
     print(f"decoding step: {per_step}, ratio {ratio:.3f}")
-    assert ratio <= DECODING_RATIO_BOUND, f"a decoding step: DMA {per_step['dma']}, transformer {per_step['transformer']}"
+    assert ratio <= DECODING_RATIO_BOUND, \
+        f"a decoding step: DMA {per_step['dma']}, transformer {per_step['transformer']}"

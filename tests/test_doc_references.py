@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 PLUGIN = str(REPO / "fairseq_modattn")
@@ -419,8 +418,9 @@ def expand_braces(word):
 
 @pytest.mark.parametrize("doc", DOCS, ids=doc_name)
 def test_architectures_are_registered(doc):
-    import fairseq_modattn  # noqa: F401  (registers the plugin's architectures)
     from fairseq.models import ARCH_MODEL_REGISTRY
+
+    import fairseq_modattn  # noqa: F401  (registers the plugin's architectures)
 
     named = re.findall(r"--arch[ =]`?([\w{},]+)", doc.read_text())
     names = {n for word in named for n in expand_braces(word)}

@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
+from attention_helpers import DOUBLE, loss_inputs, padding, real_tokens
 
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixes)
-from attention_helpers import DOUBLE, loss_inputs, padding, real_tokens
 from fairseq_modattn.modules.mi_bounds import (
     diversity_penalty,
     head_dependence_bound,
@@ -71,7 +71,8 @@ def naive_dxq(post, valid):
     for b in range(bsz):
         idx = real_tokens(valid, b)
         for h in range(heads):
-            f = lambda i, j: sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(num_c))
+            def f(i, j, b=b, h=h):
+                return sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(num_c))
             for i in idx:
                 total += f(i, i) - math.log(sum(math.exp(f(i, j)) for j in idx) / len(idx))
                 count += 1

@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
+from attention_helpers import DOUBLE, padding, real_tokens
 
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixes)
-from attention_helpers import DOUBLE, padding, real_tokens
 from fairseq_modattn.modules import blocking
 from fairseq_modattn.modules.mi_bounds import (
     BOUNDED_QQ_EPS,
@@ -79,7 +79,8 @@ def naive_dxq(post, valid):
     for b in range(post.size(0)):
         idx, acc = real_tokens(valid, b), 0.0
         for h in range(post.size(1)):
-            f = lambda i, j: sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(post.size(-1)))
+            def f(i, j, b=b, h=h):
+                return sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(post.size(-1)))
             for i in idx:
                 acc += f(i, i) - math.log(sum(math.exp(f(i, j)) for j in idx) / len(idx))
         lengths.append(len(idx))

@@ -11,7 +11,6 @@ import json
 import re
 
 import pytest
-
 from conftest import MODATTN, run_cli
 
 

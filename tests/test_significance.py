@@ -64,7 +64,9 @@ def test_pooled_seeds_keep_each_sentence_together(data):
     refs, base, system = data
     result = paired_bootstrap(base, system[:2], refs, samples=100, seed=7)
     metric = BLEU()
-    full = lambda runs: metric.corpus_score([h for run in runs for h in run], [[r for _ in runs for r in refs]]).score
+    def full(runs):
+        return metric.corpus_score([h for run in runs for h in run], [[r for _ in runs for r in refs]]).score
+
     assert result.baseline_bleu == pytest.approx(full(base), abs=1e-9)
     assert result.system_bleu == pytest.approx(full(system[:2]), abs=1e-9)
     diffs = naive_resampled_differences(base, system[:2], refs, 100, 7)

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 import tiers
 from conftest import run_cli
 

@@ -65,6 +65,7 @@ def _sentence_stats(metric, runs: Sequence[Sequence[str]], references: Sequence[
                                 "translate the whole test set")
         stats = np.asarray(metric._extract_corpus_statistics(list(hyps), [list(references)]), dtype=np.float64)
         total = stats if total is None else total + stats
+    assert total is not None, "no runs to pool"
     return total
 
 

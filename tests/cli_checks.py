@@ -9,6 +9,7 @@ run's logged values; ``check_generate_test_set`` runs ``fairseq-generate`` (beam
 import re
 
 import pytest
+
 from conftest import PLUGIN, fairseq_cli, run_cli
 
 

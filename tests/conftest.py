@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import tiers
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,11 +7,12 @@
 ``batches`` yields training batches epoch after epoch, in fairseq-train's order.
 """
 
-import tiers
-from conftest import tiny_train_args
 from fairseq import tasks, utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.trainer import Trainer
+
+import tiers
+from conftest import tiny_train_args
 from tiny_models import parse_training_command
 
 # a later --arch overrides the tiny transformer's

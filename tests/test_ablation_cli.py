@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from conftest import MODATTN, run_cli
 
 # a 1+1-layer model of width 32 trained for 2 epochs of the 100 valid sentences (1 update each),

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODATTN, png_size, run_cli
 
+from conftest import MODATTN, png_size, run_cli
 from fairseq_modattn.analysis.plots import figure_size_px
 
 

@@ -4,10 +4,10 @@ import argparse
 
 import pytest
 import torch
-from tiny_models import model_args
 
 import fairseq_modattn  # noqa: F401
 from fairseq_modattn.modules import DisentangledMaskAttention
+from tiny_models import model_args
 
 # arch: (embed, ffn, heads, n_c, c_qq, c_xq, c_grad)
 TABLE5 = {

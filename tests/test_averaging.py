@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 import torch
-from conftest import MODATTN, PLUGIN, fairseq_cli, run_cli
 
+from conftest import MODATTN, PLUGIN, fairseq_cli, run_cli
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.checkpoints import (
     average_checkpoints,

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+
 from conftest import REPO, cli_environment
 
 SCRIPT = REPO / "benchmarks" / "half_precision_train.py"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO
 
 SCRIPT = REPO / "benchmarks" / "bench_rim.py"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO, cli_environment
 
 SCRIPT = REPO / "benchmarks" / "multi30k.py"

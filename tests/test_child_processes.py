@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, cli_environment
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

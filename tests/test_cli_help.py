@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import MODATTN, cli_environment
 
 # Every command of cli.main.COMMANDS, every plot kind, every prepare corpus, and `flags --arch A

@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.nn as nn
 from fairseq.logging import metrics
-from tiny_models import tiny_dictionary
 
 import fairseq_modattn  # noqa: F401  (registers the criterion and the models)
 from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import (
     LabelSmoothedCrossEntropyWithAuxCriterion,
 )
+from tiny_models import tiny_dictionary
 
 EPS = 0.1
 FAIRSEQ_KEYS = {"loss", "nll_loss", "ppl", "ce_loss"}

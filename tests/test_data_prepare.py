@@ -15,8 +15,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
+from conftest import REPO
 from fairseq_modattn import data
 from fairseq_modattn.atomic_files import _write_lines_now, load_json, write_lines
 from fairseq_modattn.data import iwslt14, subwords

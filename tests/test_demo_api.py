@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+
 from conftest import PLUGIN, bpe_codes, fairseq_cli, run_cli
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from conftest import MODATTN, bpe_codes, cli_environment
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")

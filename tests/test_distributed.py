@@ -34,11 +34,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import fairseq_modattn  # noqa: F401  (compat's allow-list for loading checkpoints)
 from cli_checks import logged
 from conftest import cli_environment, fairseq_cli
 from inprocess import batches, build_trainer, train_args
-
-import fairseq_modattn  # noqa: F401  (compat's allow-list for loading checkpoints)
 
 HERE = Path(__file__).resolve().parent
 RECORDING_TRAIN = HERE / "train_recording_sync.py"

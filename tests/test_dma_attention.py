@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from attention_helpers import causal_mask, check_incremental_decoding, make_dma, padding, small_dma_model
-from beam_search_checks import check_beam_shared_keys_are_exact
 from fairseq.modules import MultiheadAttention
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
+from attention_helpers import causal_mask, check_incremental_decoding, make_dma, padding, small_dma_model
+from beam_search_checks import check_beam_shared_keys_are_exact
 from fairseq_modattn.modules import DisentangledMaskAttention
 from fairseq_modattn.modules.dma_attention import AUX_LOSS_NAMES
 

@@ -13,10 +13,10 @@ adds launches to DMA's step fails here and says by how much.
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
-from tiny_models import tiny_dictionary
 
 import fairseq_modattn  # noqa: F401  (registers the architectures and the criterion)
 from fairseq_modattn.modules import device_paths
+from tiny_models import tiny_dictionary
 
 WIDTH = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
          "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128"]

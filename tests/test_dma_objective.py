@@ -9,10 +9,9 @@ import math
 
 import pytest
 import torch
-from attention_helpers import DOUBLE, loss_inputs, make_dma, naive_posterior, padding, real_tokens, small_dma_model
-from tiny_models import model_args
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
+from attention_helpers import DOUBLE, loss_inputs, make_dma, naive_posterior, padding, real_tokens, small_dma_model
 from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import (
     LabelSmoothedCrossEntropyWithAuxCriterion,
 )
@@ -27,6 +26,7 @@ from fairseq_modattn.modules.mi_bounds import (
     infonce_bound,
     masked_token_mean,
 )
+from tiny_models import model_args
 
 EMBED, HEADS = 16, 2  # make_dma's default width and heads
 

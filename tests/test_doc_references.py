@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 
 PLUGIN = str(REPO / "fairseq_modattn")

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import MODATTN, fairseq_cli, run_cli, tiny_train_args
 
+from conftest import MODATTN, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.cli.main import main as modattn_main
 
 # Short hypotheses keep beam search on an untrained model fast.

@@ -16,8 +16,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 from fairseq import options
+
+from conftest import REPO
 from tiny_models import build, parse_training_command, tiny_dictionary
 
 EXAMPLES = sorted((REPO / "examples").glob("*/README.md"))

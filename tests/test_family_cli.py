@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from cli_checks import check_generate_test_set, check_resume, logged
-from conftest import PLUGIN, fairseq_cli, run_cli
 from fairseq.data import Dictionary
-from inprocess import train_args
 
 import fairseq_modattn  # noqa: F401  (compat's allow-list, as --user-dir applies it)
+from cli_checks import check_generate_test_set, check_resume, logged
+from conftest import PLUGIN, fairseq_cli, run_cli
 from fairseq_modattn.models.tim_transformer import standard_layer_params, tim_layer_params
+from inprocess import train_args
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import sacrebleu
 import torch
-from conftest import MODATTN, PLUGIN, cli_environment, fairseq_cli, run_cli, tiny_train_args
 
 import fairseq_modattn  # noqa: F401  (compat, as --user-dir applies it)
+from conftest import MODATTN, PLUGIN, cli_environment, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.checkpoints import average_checkpoints
 from fairseq_modattn.analysis.loading import load_model

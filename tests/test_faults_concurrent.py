@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODATTN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
-from test_faults_outputs import prepare_argv, synthetic_raw, tree
 
+from conftest import MODATTN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn import folder_lock
 from fairseq_modattn.data.steps import Steps
+from test_faults_outputs import prepare_argv, synthetic_raw, tree
 
 
 def start(args, **kwargs) -> subprocess.Popen:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODATTN, PLUGIN, bpe_codes, cli_environment, fairseq_cli, run_cli, tiny_train_args
 
 import fairseq_modattn  # noqa: F401  (compat, as --user-dir applies it)
+from conftest import MODATTN, PLUGIN, bpe_codes, cli_environment, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.loading import load_model
 

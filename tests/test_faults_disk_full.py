@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODATTN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
 
 import fairseq_modattn  # noqa: F401  (compat: the safe loader reads fairseq checkpoints)
+from conftest import MODATTN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
 
 INJECTION = REPO / "tests" / "disk_full_injection"
 MiB = 1 << 20

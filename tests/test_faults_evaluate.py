@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import sacrebleu
-from conftest import MODATTN, fairseq_cli, run_cli, tiny_train_args
 from sacremoses import MosesDetokenizer
 
+from conftest import MODATTN, fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.analysis import scoring
 
 SHORT = ["--max-len-b", "20"]  # short hypotheses keep beam search on an untrained model fast

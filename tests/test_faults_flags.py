@@ -8,11 +8,11 @@ must be refused while fairseq parses them, in one line naming the flag.
 import argparse
 
 import pytest
-from conftest import fairseq_cli, run_cli, tiny_train_args
-from tiny_models import model_args
 
+from conftest import fairseq_cli, run_cli, tiny_train_args
 from fairseq_modattn.models.dma_transformer import validate_dma_args
 from fairseq_modattn.models.flag_types import check_finite, finite_float
+from tiny_models import model_args
 
 BAD_FLAGS = [
     ("dma_transformer_iwslt_de_en_tiny", "--dma-noise-var", "nan"),

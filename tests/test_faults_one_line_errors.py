@@ -8,6 +8,7 @@ import re
 import subprocess
 
 import pytest
+
 from conftest import MODATTN, cli_environment
 
 # INFO records, not errors: what importing fairseq 0.12.x may print by itself

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODATTN, cli_environment
 
+from conftest import MODATTN, cli_environment
 from fairseq_modattn import data
 from fairseq_modattn.atomic_files import atomic_path
 from fairseq_modattn.cli.main import main

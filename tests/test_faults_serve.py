@@ -16,6 +16,7 @@ import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import pytest
+
 from conftest import MODATTN, bpe_codes, cli_environment
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")

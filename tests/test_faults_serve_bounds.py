@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from conftest import bpe_codes
 from test_faults_serve import Server, post, serve_command
 

@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
-from attention_helpers import DOUBLE, causal_mask, make_dma, naive_posterior, padding
 
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixes)
+from attention_helpers import DOUBLE, causal_mask, make_dma, naive_posterior, padding
 from fairseq_modattn.modules import DiagonalGMM, DisentangledMaskAttention, annealing_rate, log_semantic_mask
 from fairseq_modattn.modules.logspace import log_matmul_exp
 

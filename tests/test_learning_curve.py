@@ -3,6 +3,7 @@
 import importlib.util
 
 import pytest
+
 from conftest import REPO
 
 

@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
-from attention_helpers import DOUBLE, loss_inputs, padding, real_tokens
 
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixes)
+from attention_helpers import DOUBLE, loss_inputs, padding, real_tokens
 from fairseq_modattn.modules.mi_bounds import (
     diversity_penalty,
     head_dependence_bound,

@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from attention_helpers import DOUBLE, padding, real_tokens
 
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixes)
+from attention_helpers import DOUBLE, padding, real_tokens
 from fairseq_modattn.modules import blocking
 from fairseq_modattn.modules.mi_bounds import (
     BOUNDED_QQ_EPS,

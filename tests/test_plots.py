@@ -3,10 +3,10 @@ atomic writes, and the 2-D projections."""
 
 import numpy as np
 import pytest
-from conftest import PNG_SIGNATURE, png_size
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 
+from conftest import PNG_SIGNATURE, png_size
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis import plots as P
 

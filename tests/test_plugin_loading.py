@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cli_checks import logged
 from conftest import MODATTN, PLUGIN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
-
 from fairseq_modattn.compat.unknown_architecture import (
     UnknownArchitectureError,
     build_model_naming_unknown_architecture,

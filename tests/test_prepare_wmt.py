@@ -19,8 +19,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
+from conftest import REPO
 from fairseq_modattn import data
 from fairseq_modattn.data import wmt14, wmt17
 from fairseq_modattn.data.errors import DataError

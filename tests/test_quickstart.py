@@ -11,6 +11,7 @@ import json
 import re
 
 import pytest
+
 from conftest import MODATTN, run_cli
 
 

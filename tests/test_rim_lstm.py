@@ -8,11 +8,11 @@ The RIM cell's own equations are tested in the module's tests; here the model ar
 import pytest
 import torch
 from fairseq.models.lstm import LSTMDecoder
-from tiny_models import model_args
 
 import fairseq_modattn  # noqa: F401  (registers rim_lstm)
 from fairseq_modattn.models.rim_lstm import RIMEncoder, final_state_layers
 from fairseq_modattn.modules.rim import RIMLayer
+from tiny_models import model_args
 
 # tiny sizes: n = 6, k = 4 (the architectures' defaults), d_r = 8 -> 48 encoder units
 TINY = [

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dma_compiled import needs_compile, needs_cxx
 
 from fairseq_modattn.modules import RIMLayer, device_paths, rim_recurrence
+from test_dma_compiled import needs_compile, needs_cxx
 
 SMALL = dict(input_key_size=6, input_value_size=10, comm_key_size=8, comm_value_size=12, comm_heads=2)
 KERNEL_CALLS = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_calls.py"

@@ -5,8 +5,8 @@ import math
 import re
 
 import pytest
-from conftest import fairseq_cli, run_cli
 
+from conftest import fairseq_cli, run_cli
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.scoring import (
     compound_split,

@@ -4,15 +4,15 @@ incremental decoding with beam reordering, gradients, the model family and its e
 
 import pytest
 import torch
-from attention_helpers import causal_mask, check_incremental_decoding, padding, randomise_biases
-from beam_search_checks import check_beam_shared_keys_are_exact
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
-from tiny_models import model_args
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
+from attention_helpers import causal_mask, check_incremental_decoding, padding, randomise_biases
+from beam_search_checks import check_beam_shared_keys_are_exact
 from fairseq_modattn.models.talking_heads_transformer import TalkingHeadsTransformerModel
 from fairseq_modattn.modules import TalkingHeadsAttention
+from tiny_models import model_args
 
 EMBED = 24  # divisible by 2, 3, 4 and 6: h_k, h and h_v can all differ
 

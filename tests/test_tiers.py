@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 import tiers
 from conftest import run_cli
 

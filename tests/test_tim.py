@@ -8,14 +8,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_helpers import check_incremental_decoding, decode_incrementally
-from beam_search_checks import check_beam_shared_keys_are_exact
 from fairseq import utils
 from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
-from tiny_models import model_args
 
 import fairseq_modattn  # noqa: F401  (registers the architectures)
+from attention_helpers import check_incremental_decoding, decode_incrementally
+from beam_search_checks import check_beam_shared_keys_are_exact
 from fairseq_modattn.models.tim_transformer import (
     TIMTransformerModel,
     matched_ffn_dim,
@@ -24,6 +23,7 @@ from fairseq_modattn.models.tim_transformer import (
 )
 from fairseq_modattn.modules import TIMDecoderLayer, TIMEncoderLayer
 from fairseq_modattn.modules.tim_layer import InterMechanismAttention
+from tiny_models import model_args
 
 
 def make_cfg(embed=16, heads=4, ffn=32, normalize_before=False):

@@ -14,10 +14,11 @@ Like ``attention_helpers.py`` this is no test file; the tests import it as they 
 from typing import NamedTuple, Union
 
 import torch
-from conftest import PLUGIN
 from fairseq import models, options
 from fairseq.data import Dictionary
 from fairseq.tasks.translation import TranslationTask
+
+from conftest import PLUGIN
 
 
 def parse_training_command(argv, parser=None):

@@ -87,6 +87,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from fairseq.models.lstm import LSTMEncoder
 
 # harness.py, beside this script, holds the measuring code shared with bench_dma.py and
 # bench_variants.py; it comes first because it also puts the checkout on sys.path
@@ -94,9 +95,9 @@ from harness import (
     REPO,
     build,
     kernel_op_counts,
-    prepare_run,
     parse_fairseq_args,
     per_length,
+    prepare_run,
     ratio_cell,
     results_header,
     synthetic_dictionary,
@@ -108,8 +109,6 @@ from harness import (
     zero_grad,
 )
 from kernel_calls import count_kernel_calls
-
-from fairseq.models.lstm import LSTMEncoder
 
 from fairseq_modattn.models.rim_lstm import RIMEncoder
 from fairseq_modattn.modules import device_paths

@@ -37,8 +37,8 @@ import re
 import shlex
 import statistics
 import sys
-import time
 import threading
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -48,9 +48,9 @@ import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.atomic_files import write_json_atomically
 from fairseq_modattn.child_processes import stopping_on_sigterm
-from fairseq_modattn.folder_lock import exclusive_use
 from fairseq_modattn.cli import runs
 from fairseq_modattn.cli.model_recipes import RECIPES, TRAIN_FLAGS, ModelRecipe
+from fairseq_modattn.folder_lock import exclusive_use
 
 ATTENTIONS = ("enc_self", "dec_self", "enc_dec")
 MODELS: Dict[str, ModelRecipe] = {
@@ -217,7 +217,8 @@ def markdown(table: Dict, verdicts: List[Dict], settings: Dict) -> str:
     if verdicts:
         lines += ["", "Targets (dma_authors against the transformer):", ""]
         lines += [f"- {'PASS' if v['passed'] else 'FAIL'}: {v['check']}: {v['value']}" for v in verdicts]
-    lines += ["", "Flags of every run besides the data, --save-dir and --seed: " + shlex.join(settings["train_args"]), ""]
+    lines += ["", "Flags of every run besides the data, --save-dir and --seed: " + shlex.join(settings["train_args"]),
+              ""]
     return "\n".join(lines)
 
 
@@ -242,7 +243,8 @@ def compare(args, argv) -> int:
     runs.limit_threads(max(1, (os.cpu_count() or 1) // args.jobs))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     settings = {"data": str(args.data.resolve()), "max_update": args.max_update, "seeds": args.seeds,
-                "paper_seeds": args.paper_seeds, "models": args.models, "train_args": TRAIN_FLAGS + shlex.split(args.train_args)}
+                "paper_seeds": args.paper_seeds, "models": args.models,
+                "train_args": TRAIN_FLAGS + shlex.split(args.train_args)}
     try:
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)
         # seed by seed, so that the first complete comparison is known early
@@ -256,7 +258,8 @@ def compare(args, argv) -> int:
         print(f"dma_objective benchmark: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("dma_objective benchmark: interrupted; finished runs are kept, rerun the same command to continue", file=sys.stderr)
+        print("dma_objective benchmark: interrupted; finished runs are kept, rerun the same command to continue",
+              file=sys.stderr)
         return 130
     table = summarise(results, args.models)
     verdicts = checks(table)

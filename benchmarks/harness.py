@@ -97,10 +97,10 @@ from fairseq.data import Dictionary, data_utils  # noqa: E402
 from fairseq.modules import MultiheadAttention  # noqa: E402
 from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
 from fairseq.tasks.translation import TranslationTask  # noqa: E402
-
-import fairseq_modattn  # noqa: E402  (registers the plugin's architectures and criteria)
 from kernel_calls import count_kernel_calls  # noqa: E402
 from provenance import code_record  # noqa: E402
+
+import fairseq_modattn  # noqa: E402  (registers the plugin's architectures and criteria)
 
 MB = float(2 ** 20)
 LIMIT_NOTE = []  # the --memory-limit-gb in force, for the tables' OOM notes

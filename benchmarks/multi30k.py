@@ -46,6 +46,10 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from learning_curve import curve_markdown, flat_point, plot_curves, validation_curve
+from provenance import code_record, git_commit
+from run_progress import DirectoryInUse, duration, exclusive_use, holder, run_state, seconds_per_update
+
 import fairseq_modattn  # noqa: F401  (registers the models)
 from fairseq_modattn.analysis import AnalysisError, scoring
 from fairseq_modattn.analysis.significance import compare_systems, seed_pairs
@@ -55,9 +59,6 @@ from fairseq_modattn.cli import runs
 from fairseq_modattn.cli.model_recipes import FAMILY_BASELINES, RECIPES, TRAIN_FLAGS
 from fairseq_modattn.help_format import DefaultsHelpFormatter
 from fairseq_modattn.models.attention_types import ATTENTION_TYPES
-from learning_curve import curve_markdown, flat_point, plot_curves, validation_curve
-from provenance import code_record, git_commit
-from run_progress import DirectoryInUse, duration, exclusive_use, holder, run_state, seconds_per_update
 
 #: the models that train slowest per update on a CPU, started first so that the last runs are short
 SLOW = ("dma", "dma_nc8", "rim_lstm")
@@ -230,7 +231,8 @@ def aggregate(results: List[Dict], models: List[str]) -> Dict[str, Dict]:
     table = {}
     for name in models:
         rows = [r for r in results if r["model"] == name]
-        entry = {"family": RECIPES[name].family, "parameters": rows[0]["parameters"], "seeds": [r["seed"] for r in rows],
+        entry = {"family": RECIPES[name].family, "parameters": rows[0]["parameters"],
+                 "seeds": [r["seed"] for r in rows],
                  "updates": rows[0]["num_updates"], "bleu": spread([r["bleu"] for r in rows]),
                  "sacrebleu": spread([r["sacrebleu"] for r in rows]),
                  "chrf": spread([r["chrf"] for r in rows]), "ter": spread([r["ter"] for r in rows]),
@@ -287,8 +289,9 @@ def _cuda_available() -> bool:
 
 
 def machine(device: str = "cpu") -> str:
-    import torch
     from importlib.metadata import version
+
+    import torch
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -337,7 +340,8 @@ def markdown(table: Dict[str, Dict], comparisons: Dict[str, Dict], settings: Dic
     ]
     for name, entry in table.items():
         lines.append(
-            f"| {name} | {entry['parameters']:,} | {entry['updates']:,} | {_mean_std(entry['sacrebleu'])} | {delta(name)} | "
+            f"| {name} | {entry['parameters']:,} | {entry['updates']:,} | {_mean_std(entry['sacrebleu'])} | "
+            f"{delta(name)} | "
             f"{_mean_std(entry['chrf'])} | {_mean_std(entry['ter'])} | {_mean_std(entry['bleu'])} | "
             f"{red(name, 'enc_self')} | {red(name, 'dec_self')} | {red(name, 'enc_dec')} | "
             f"{_mean_std(entry['valid_nll_loss'], 3)} | {entry['wps']['mean']:.0f} |")
@@ -437,7 +441,8 @@ def status(args, jobs: int) -> int:
         return 1
     order, states = run_order(args), {}
     for name, seed in order:
-        states[name, seed] = run_state(args.output_dir / name / f"seed{seed}", family_settings(name, args)["max_update"])
+        states[name, seed] = run_state(args.output_dir / name / f"seed{seed}",
+                                       family_settings(name, args)["max_update"])
     done = sum(s.state == "done" for s in states.values())
     pid = holder(args.output_dir)
     print(f"{args.output_dir}: {done} of {len(order)} runs done; "
@@ -526,7 +531,8 @@ def benchmark(args, argv, log, jobs: int, threads: int) -> int:
         print(f"multi30k benchmark: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("multi30k benchmark: interrupted; finished runs are kept, rerun the same command to continue", file=sys.stderr)
+        print("multi30k benchmark: interrupted; finished runs are kept, rerun the same command to continue",
+              file=sys.stderr)
         return 130
     text = report_text(args, argv, settings, table, comparisons, results, jobs, threads)
     with atomic_path(args.output_dir / "results.md") as tmp:
@@ -550,10 +556,13 @@ def report_text(args, argv, settings, table, comparisons, results, jobs, threads
     header = [
         "# Multi30k de-en: every method against its baseline",
         "",
-        f"Run {when}, commit {git_commit(short=True) or 'unknown'}, {machine(args.device)}; {plural(jobs, 'run')} at a time, each on {plural(threads, 'thread')}, so "
+        f"Run {when}, commit {git_commit(short=True) or 'unknown'}, {machine(args.device)}; "
+        f"{plural(jobs, 'run')} at a time, each on {plural(threads, 'thread')}, so "
         f"tokens/s (fairseq's training wps in target tokens: each run's median over its epochs, so that "
-        f"epochs slowed by other work on the machine do not count; mean over seeds) is measured with {plural(jobs, 'run')} sharing "
-        f"the cores{' and the GPU' if args.device == 'cuda' else ''}. {plural(len(args.seeds), 'seed')} ({', '.join(map(str, args.seeds))}) per model. The transformer family "
+        f"epochs slowed by other work on the machine do not count; mean over seeds) is measured with "
+        f"{plural(jobs, 'run')} sharing "
+        f"the cores{' and the GPU' if args.device == 'cuda' else ''}. {plural(len(args.seeds), 'seed')} "
+        f"({', '.join(map(str, args.seeds))}) per model. The transformer family "
         f"trains for {args.max_update:,} updates, the LSTM family for {args.lstm_max_update:,} with {lstm_lr} "
         f"(max-tokens 4096). The final model translates `{args.subset}` (beam {args.beam}). "
         + code_summary(results),

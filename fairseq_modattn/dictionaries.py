@@ -152,7 +152,8 @@ def check_recorded_data_bin(checkpoint, data, source_lang=None, target_lang=None
     if then is None:
         return f"{cannot_tell}: it records no data-bin"
     if not all(p.is_file() for p in then):
-        return f"{cannot_tell}: the data-bin it recorded, {then[0].parent}, no longer holds {then[0].name} and {then[1].name}"
+        return (f"{cannot_tell}: the data-bin it recorded, {then[0].parent}, "
+                f"no longer holds {then[0].name} and {then[1].name}")
     if then[0].parent.resolve() == now[0].parent.resolve():
         # Nothing to compare with. Dictionaries older than the checkpoint were there while it was
         # trained (the usual case: evaluating a run on its own data-bin) and get no warning;

@@ -24,8 +24,9 @@ Locks are re-entrant within one process (a command that locks its output dir and
 helper that locks the same dir holds it once). A folder's lock also covers what lies directly in
 it: a process other than the holder and its descendants (a benchmark's own fairseq-train
 writing its run folder inside the benchmark's) locking a file or folder there is refused too
-(``evaluate --output OTHER_RUN/evaluation/results.json`` while that evaluation runs). Paths are resolved first, so ``out`` and
-``./out/../out`` are one lock; two names of one folder through a symlink also resolve to one.
+(``evaluate --output OTHER_RUN/evaluation/results.json`` while that evaluation runs). Paths are
+resolved first, so ``out`` and ``./out/../out`` are one lock; two names of one folder through a
+symlink also resolve to one.
 """
 
 import atexit

@@ -98,7 +98,8 @@ def naive_posterior(z, gmm):
     pi = torch.exp(gmm.logits.detach().to(DOUBLE))
     pi = pi / pi.sum(-1, keepdim=True)  # (G, C)
     diff = z.unsqueeze(-2) - means.unsqueeze(-3)  # (B, G, N, C, d)
-    log_density = (-0.5 * (math.log(2 * math.pi) + log_vars.unsqueeze(-3) + diff**2 / log_vars.exp().unsqueeze(-3))).sum(-1)
+    log_density = (-0.5 * (math.log(2 * math.pi) + log_vars.unsqueeze(-3)
+                           + diff**2 / log_vars.exp().unsqueeze(-3))).sum(-1)
     joint = pi.unsqueeze(-2) * torch.exp(log_density)
     return joint / joint.sum(-1, keepdim=True)
 

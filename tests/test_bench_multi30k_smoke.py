@@ -34,7 +34,7 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     run([*common, "--models", "transformer", "lstm", "--curve-updates", "3"])
     report = json.loads((out / "curve" / "curve.json").read_text())
     assert set(report["curves"]) == {"transformer", "lstm"}
-    for name, c in report["curves"].items():
+    for c in report["curves"].values():
         assert c["points"] and c["points"][-1][0] == 3 and c["flat_at"] is None  # too short to tell
         assert c["command"][c["command"].index("--max-update") + 1] == "3"
     lstm_command = report["curves"]["lstm"]["command"]
@@ -57,7 +57,8 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
         evaluation = json.loads((out / r["model"] / f"seed{r['seed']}" / "evaluation" / "results.json").read_text())
         assert {k: r[k] for k in ("chrf", "chrf_signature", "ter", "ter_signature")} == {
             k: evaluation[k] for k in ("chrf", "chrf_signature", "ter", "ter_signature")}
-        assert Path(r["hypotheses_file"]) == (out / r["model"] / f"seed{r['seed']}" / "evaluation" / "hyp.txt").resolve()
+        evaluation_dir = out / r["model"] / f"seed{r['seed']}" / "evaluation"
+        assert Path(r["hypotheses_file"]) == (evaluation_dir / "hyp.txt").resolve()
         assert len(Path(r["hypotheses_file"]).read_text(encoding="utf-8").splitlines()) == 100
         assert r["command"][r["command"].index("--seed") + 1] == str(r["seed"])
         assert (r["command"][-3:-1] == ["--lr", "0.001"]) == lstm_family

@@ -10,11 +10,10 @@ these interpreters run with a stand-in ``tensorboardX`` package first on PYTHONP
 to import (``hidden_tensorboardx``).
 """
 
-import os
-
 import argparse
 import json
 import logging
+import os
 import re
 import subprocess
 import sys

@@ -94,8 +94,9 @@ def build_archive(iwslt_dir: Path, path: Path, train=None, omit=(), prefix="de-e
     members = {"train.tags.de-en.de": ("\n".join(de) + "\n").encode(),
                "train.tags.de-en.en": ("\n".join(en) + "\n").encode()}
     for lang in ("de", "en"):
-        members[f"IWSLT14.TED.dev2010.de-en.{lang}.xml"] = (iwslt_dir / f"IWSLT16.TED.dev2010.de-en.{lang}.xml").read_bytes()
-        members[f"IWSLT14.TEDX.dev2012.de-en.{lang}.xml"] = (iwslt_dir / f"IWSLT16.TEDX.dev2012.de-en.{lang}.xml").read_bytes()
+        for talks in ("TED.dev2010", "TEDX.dev2012"):
+            source = iwslt_dir / f"IWSLT16.{talks}.de-en.{lang}.xml"
+            members[f"IWSLT14.{talks}.de-en.{lang}.xml"] = source.read_bytes()
         for name, (stem, keep) in TEST_CUTS.items():
             members[f"{name}.de-en.{lang}.xml"] = cut_xml(iwslt_dir / f"IWSLT16.{stem}.de-en.{lang}.xml", keep)
     with tarfile.open(path, "w:gz") as tar:
@@ -360,7 +361,8 @@ def test_iwslt14_bad_input(problem, iwslt_dir, tmp_path):
         pattern = r"de-en\.tgz: not a readable tar archive"
     elif problem == "mismatched train":
         build_archive(iwslt_dir, archive, train=(de, en[:-1]))
-        pattern = r"after removing metadata lines, 240 sentences in .*train\.tags\.de-en\.de but 239 in .*train\.tags\.de-en\.en"
+        pattern = (r"after removing metadata lines, 240 sentences in .*train\.tags\.de-en\.de "
+                   r"but 239 in .*train\.tags\.de-en\.en")
     else:
         de = list(de)
         bad_line = de.index(next(s for s in de if not s.startswith("<"))) + 1
@@ -436,7 +438,8 @@ def test_multi30k_bad_input(problem, multi30k_dir, tmp_path):
     if problem == "mismatch":
         lines = gzip.decompress((raw / "val.en.gz").read_bytes()).splitlines(keepends=True)
         (raw / "val.en.gz").write_bytes(gzip.compress(b"".join(lines[:-3])))
-        pattern = rf"1014 lines in {re.escape(str(raw / 'val.de.gz'))} but 1011 lines in {re.escape(str(raw / 'val.en.gz'))}"
+        pattern = (rf"1014 lines in {re.escape(str(raw / 'val.de.gz'))} "
+                   rf"but 1011 lines in {re.escape(str(raw / 'val.en.gz'))}")
     elif problem == "empty":
         (raw / "test_2016_flickr.de.gz").write_bytes(gzip.compress(b""))
         pattern = r"test_2016_flickr\.de\.gz: file is empty"

@@ -21,8 +21,8 @@ from fairseq_modattn import data
 from fairseq_modattn.data import iwslt14
 from fairseq_modattn.data.manifest import MANIFEST, read_manifest
 from fairseq_modattn.data.readers import read_lines
-from fairseq_modattn.data.text_settings import TextSettings
 from fairseq_modattn.data.text_pipeline import TextPipeline
+from fairseq_modattn.data.text_settings import TextSettings
 
 EN = [
     "The “well-known” author’s book costs 5 € & more.",

@@ -100,7 +100,7 @@ def aborted_in_teardown(index, procs, output):
     if TEARDOWN_ABORT not in output[-300:]:
         return False
     warnings.warn(f"rank {index} aborted in the gloo teardown after fairseq's closing barrier "
-                  f"({TEARDOWN_ABORT!r}; compat fix 8); its work is complete")
+                  f"({TEARDOWN_ABORT!r}; compat fix 8); its work is complete", stacklevel=2)
     return True
 
 

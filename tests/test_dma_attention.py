@@ -8,10 +8,9 @@ import pytest
 import torch
 from fairseq.modules import MultiheadAttention
 
-from attention_helpers import check_incremental_decoding, causal_mask, make_dma, padding, small_dma_model
-from beam_search_checks import check_beam_shared_keys_are_exact
-
 import fairseq_modattn  # noqa: F401  (registers the plugin)
+from attention_helpers import causal_mask, check_incremental_decoding, make_dma, padding, small_dma_model
+from beam_search_checks import check_beam_shared_keys_are_exact
 from fairseq_modattn.modules import DisentangledMaskAttention
 from fairseq_modattn.modules.dma_attention import AUX_LOSS_NAMES
 

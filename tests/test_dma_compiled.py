@@ -28,9 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention_helpers import causal_mask, make_dma, padding
-
 import fairseq_modattn  # noqa: F401  (registers the plugin)
+from attention_helpers import causal_mask, make_dma, padding
 from fairseq_modattn.modules import dma_compiled
 from fairseq_modattn.modules.dma_attention import AUX_LOSS_NAMES
 

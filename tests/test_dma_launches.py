@@ -121,4 +121,5 @@ def test_decoding_step_launches_within_bound(count_kernel_calls, vocabulary, bui
         per_step[name] = (calls[1] - calls[0]) / 4
     ratio = per_step["dma"] / per_step["transformer"]
     print(f"decoding step: {per_step}, ratio {ratio:.3f}")
-    assert ratio <= DECODING_RATIO_BOUND, f"a decoding step: DMA {per_step['dma']}, transformer {per_step['transformer']}"
+    assert ratio <= DECODING_RATIO_BOUND, \
+        f"a decoding step: DMA {per_step['dma']}, transformer {per_step['transformer']}"

@@ -12,7 +12,6 @@ import torch
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
 from attention_helpers import DOUBLE, loss_inputs, make_dma, naive_posterior, padding, real_tokens, small_dma_model
-from tiny_models import model_args
 from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import (
     LabelSmoothedCrossEntropyWithAuxCriterion,
 )
@@ -27,6 +26,7 @@ from fairseq_modattn.modules.mi_bounds import (
     infonce_bound,
     masked_token_mean,
 )
+from tiny_models import model_args
 
 EMBED, HEADS = 16, 2  # make_dma's default width and heads
 
@@ -48,7 +48,8 @@ def naive_bounded_dqq(log_joint, log_post, valid):
                 for i in idx:
                     p = 0.0
                     for c in range(num_c):
-                        p += joint[b, h, i, c].item() / sum(joint[b, h, j, c].item() for j in idx) * post[b, h2, i, c].item()
+                        share = joint[b, h, i, c].item() / sum(joint[b, h, j, c].item() for j in idx)
+                        p += share * post[b, h2, i, c].item()
                     acc += -math.log(1.0 + BOUNDED_QQ_EPS - min(1.0, p))
         sentences.append(acc / (heads**2 * len(idx)) if idx else 0.0)
         total, count = total + acc / heads**2, count + len(idx)
@@ -104,7 +105,8 @@ def naive_dxq_per_sentence(post, valid):
     for b in range(bsz):
         idx, acc = real_tokens(valid, b), 0.0
         for h in range(heads):
-            f = lambda i, j: sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(num_c))
+            def f(i, j, b=b, h=h):
+                return sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(num_c))
             for i in idx:
                 acc += f(i, i) - math.log(sum(math.exp(f(i, j)) for j in idx) / len(idx))
         out.append(acc / (heads * len(idx)))
@@ -135,7 +137,8 @@ def test_per_sentence_club_and_infonce_match_naive(lengths):
     # per-sentence estimates pooled with the token counts give the batch's estimates back
     per_sentence = head_dependence_estimates(log_joint, log_post, valid, per_sentence=True)
     counts = valid.sum(1).to(DOUBLE).view(-1, 1, 1)
-    torch.testing.assert_close((per_sentence * counts).sum(0) / counts.sum(), head_dependence_estimates(log_joint, log_post, valid))
+    torch.testing.assert_close((per_sentence * counts).sum(0) / counts.sum(),
+                               head_dependence_estimates(log_joint, log_post, valid))
 
 
 @pytest.mark.parametrize("form", ["paper", "entrywise"])
@@ -195,7 +198,8 @@ def test_bounded_head_dependence_is_positive_with_a_gradient_and_passes_gradchec
     value.backward()
     assert joint.grad.abs().sum() > 0 and post.grad.abs().sum() > 0
     assert torch.autograd.gradcheck(
-        lambda a, b: head_dependence_bound(a, b, valid, form="bounded", per_sentence=True), (joint.detach().requires_grad_(), post.detach().requires_grad_())
+        lambda a, b: head_dependence_bound(a, b, valid, form="bounded", per_sentence=True),
+        (joint.detach().requires_grad_(), post.detach().requires_grad_())
     )
     assert torch.autograd.gradcheck(
         lambda p: diversity_penalty(p, valid, "entrywise", per_sentence=True), (post.detach().exp().requires_grad_(),)

@@ -75,7 +75,8 @@ OTHER_TOOLS = {
     "pip": {"--upgrade", "--quiet"},                         # pip install ...
     "apt-get": set(),
     "tensorboard": {"--logdir"},                             # tensorboard --logdir runs
-    "sacrebleu": {"--tokenize", "--metrics", "--force", "--echo", "--input", "--paired-bs"},  # sacreBLEU's own command line
+    # sacreBLEU's own command line
+    "sacrebleu": {"--tokenize", "--metrics", "--force", "--echo", "--input", "--paired-bs"},
     "git": {"--stat"},                                       # git diff --stat
     "prepare-wmt14en2de.sh": {"--icml17"},                   # fairseq's WMT14 data script
     "curl": set(),
@@ -422,8 +423,9 @@ def expand_braces(word):
 
 @pytest.mark.parametrize("doc", DOCS, ids=doc_name)
 def test_architectures_are_registered(doc):
-    import fairseq_modattn  # noqa: F401  (registers the plugin's architectures)
     from fairseq.models import ARCH_MODEL_REGISTRY
+
+    import fairseq_modattn  # noqa: F401  (registers the plugin's architectures)
 
     named = re.findall(r"--arch[ =]`?([\w{},]+)", doc.read_text())
     names = {n for word in named for n in expand_braces(word)}

@@ -27,9 +27,9 @@ def three_epochs(multi30k_bin, tmp_path_factory):
     """checkpoint1.pt .. checkpoint3.pt (and checkpoint_last.pt) of a tiny DMA model, trained
     on the 100-sentence valid split (2 updates an epoch) to keep the test fast."""
     save = tmp_path_factory.mktemp("eval_ckpt")
-    run_cli([fairseq_cli("fairseq-train"), multi30k_bin, *tiny_train_args("dma", epoch_checkpoints=True), "--save-dir", save,
-             "--train-subset", "valid", "--max-tokens", "4000", "--batch-size", "50", "--max-epoch", "3",
-             "--disable-validation"])
+    run_cli([fairseq_cli("fairseq-train"), multi30k_bin, *tiny_train_args("dma", epoch_checkpoints=True),
+             "--save-dir", save, "--train-subset", "valid", "--max-tokens", "4000", "--batch-size", "50",
+             "--max-epoch", "3", "--disable-validation"])
     assert sorted(p.name for p in save.glob("checkpoint*.pt")) == \
         ["checkpoint1.pt", "checkpoint2.pt", "checkpoint3.pt", "checkpoint_last.pt"]
     return save

@@ -140,7 +140,10 @@ def test_numeric_numpy_loads_and_everything_else_is_still_refused(tmp_path):
         "ndarray call": ({"model": {}, "x": CallsNdarray()}, "numpy.ndarray called directly refused"),
     }
     for name, (obj, message) in refused.items():
-        path = legacy_save(obj, tmp_path / f"{name.replace(' ', '_')}.pt") if name == "ndarray call" else tmp_path / f"{name}.pt"
+        if name == "ndarray call":
+            path = legacy_save(obj, tmp_path / f"{name.replace(' ', '_')}.pt")
+        else:
+            path = tmp_path / f"{name}.pt"
         if name != "ndarray call":
             torch.save(obj, path)
         with pytest.raises(pickle.UnpicklingError):

@@ -205,7 +205,8 @@ def test_second_evaluate_sharing_a_work_dir_is_refused_and_the_first_matches_a_s
 def test_every_other_writer_refuses_an_output_in_use(multi30k_bin, tiny_checkpoints, tmp_path):
     ckpt = tiny_checkpoints["dma"]
     cases = [
-        (tmp_path / "avg.pt", [MODATTN, "average", "--inputs", ckpt, ckpt, "--output", tmp_path / "avg.pt"], "--output"),
+        (tmp_path / "avg.pt", [MODATTN, "average", "--inputs", ckpt, ckpt, "--output", tmp_path / "avg.pt"],
+         "--output"),
         (tmp_path / "r.json", [MODATTN, "redundancy", multi30k_bin, "--path", ckpt, "--cpu", "--max-batches", "1",
                                "--output", tmp_path / "r.json"], "--output"),
         (tmp_path / "r.png", [MODATTN, "redundancy", multi30k_bin, "--path", ckpt, "--cpu", "--max-batches", "1",

@@ -27,7 +27,7 @@ def naive_gmm_point(z, logits, means, log_vars):
     """
     z, logits, means, log_vars = (t.tolist() if torch.is_tensor(t) else t for t in (z, logits, means, log_vars))
     num_c = len(logits)
-    norm = sum(math.exp(l) for l in logits)
+    norm = sum(math.exp(logit) for logit in logits)
     log_joint = []
     for c in range(num_c):
         log_density = 0.0
@@ -49,7 +49,7 @@ def naive_vade_kl(x, post, logits, means, log_vars, s2):
     the Gaussian KL written out per dimension: 0.5 (log sigma^2/s2 + (s2 + (x - mu)^2)/sigma^2 - 1).
     """
     x, logits, means, log_vars = (t.tolist() for t in (x, logits, means, log_vars))
-    norm = sum(math.exp(l) for l in logits)
+    norm = sum(math.exp(logit) for logit in logits)
     kl = 0.0
     for c, p_c in enumerate(post):
         gauss_kl = 0.0

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fairseq_modattn  # noqa: F401
-from fairseq_modattn.modules import DisentangledMaskAttention
-from fairseq_modattn.modules import blocking
+from fairseq_modattn.modules import DisentangledMaskAttention, blocking
 from fairseq_modattn.modules import interpolated_attention as ia
 from fairseq_modattn.modules.interpolated_attention import interpolated_masked_attention
 

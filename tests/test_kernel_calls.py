@@ -9,6 +9,7 @@ from fairseq_modattn.modules import device_paths
 from fairseq_modattn.modules.dma_attention import DisentangledMaskAttention
 from fairseq_modattn.modules.gmm import log_softmax_over_clusters
 
+
 def test_math_path_sdpa_counts_as_one_fused_call_each_way(kernel_calls):
     q = torch.randn(2, 2, 5, 4, requires_grad=True)
     bias = torch.randn(2, 2, 5, 5, requires_grad=True)  # a bias with a gradient: the CPU's math path

@@ -71,7 +71,8 @@ def naive_dxq(post, valid):
     for b in range(bsz):
         idx = real_tokens(valid, b)
         for h in range(heads):
-            f = lambda i, j: sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(num_c))
+            def f(i, j, b=b, h=h):
+                return sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(num_c))
             for i in idx:
                 total += f(i, i) - math.log(sum(math.exp(f(i, j)) for j in idx) / len(idx))
                 count += 1

@@ -79,7 +79,8 @@ def naive_dxq(post, valid):
     for b in range(post.size(0)):
         idx, acc = real_tokens(valid, b), 0.0
         for h in range(post.size(1)):
-            f = lambda i, j: sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(post.size(-1)))
+            def f(i, j, b=b, h=h):
+                return sum(post[b, h, i, c].item() * post[b, h, j, c].item() for c in range(post.size(-1)))
             for i in idx:
                 acc += f(i, i) - math.log(sum(math.exp(f(i, j)) for j in idx) / len(idx))
         lengths.append(len(idx))

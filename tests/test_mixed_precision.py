@@ -57,10 +57,10 @@ from fairseq.logging import metrics
 import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat)
 from cli_checks import logged
 from conftest import fairseq_cli, run_cli
-from inprocess import FAMILIES, batches, build_trainer, train_args
 from fairseq_modattn.models.dma_transformer import DMATransformerModel
 from fairseq_modattn.modules import gmm, interpolated_attention, mi_bounds
 from fairseq_modattn.modules.talking_heads_attention import TalkingHeadsAttention
+from inprocess import FAMILIES, batches, build_trainer, train_args
 
 # the default run leaves fairseq's own transformer (the control) to the slow variants
 PACKAGE_FAMILIES = tuple(f for f in FAMILIES if f != "transformer")

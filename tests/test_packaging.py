@@ -1,6 +1,7 @@
 """Packaging files: CITATION.cff (the software and the four papers), LICENSE against the license
 pyproject.toml declares, the setup.py shim, and the extras the README names."""
 
+import os
 import re
 import subprocess
 import sys
@@ -86,3 +87,61 @@ def test_setup_py_shim_reads_pyproject():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == fairseq_modattn.__version__
+
+
+def test_python_versions_declared_are_the_installable_ones():
+    """requires-python starts where fairseq-fixed imports (3.11); the fork is capped below its next
+    minor release, the breaking version in 0.x; no dependency is left for an older Python
+    (fairseq 0.12.2, which pip >= 24.1 refuses to install)."""
+    project = pyproject()["project"]
+    assert project["requires-python"] == ">=3.11"
+    deps = project["dependencies"]
+    assert "fairseq-fixed>=0.12.3,<0.13" in deps
+    assert not [d for d in deps if "python_version" in d or d.startswith("fairseq==")]
+    minors = [c.rsplit(":: ", 1)[1] for c in project["classifiers"]
+              if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert minors and minors[0] == "3.11" and all(int(m.split(".")[1]) >= 11 for m in minors)
+    assert "Typing :: Typed" in project["classifiers"]
+
+
+def _code_lines(markdown_block: str):
+    return [line.split("  #", 1)[0].strip() for line in markdown_block.strip().splitlines()]
+
+
+def test_ci_runs_the_readme_install_and_test_commands():
+    """.ci/run holds README's Install and Test commands verbatim and in order, lint before tests;
+    README names the second CI script, .ci/python-versions."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    install = re.search(r"^## Install\n.*?```bash\n(.*?)```", readme, re.MULTILINE | re.DOTALL).group(1)
+    test = re.search(r"^## Test\n.*?```bash\n(.*?)```", readme, re.MULTILINE | re.DOTALL).group(1)
+    commands = _code_lines(install) + _code_lines(test)
+    assert "ruff check ." in commands and "mypy" in commands
+    assert commands.index("mypy") < commands.index("python -m pytest -q --require-shared-data")
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    positions = [ci.index(command) for command in commands]
+    assert positions == sorted(positions)
+    # the other Pythons' fast tier is the second CI script, named in README, runnable as it stands
+    assert ".ci/python-versions" in readme
+    assert os.access(REPO / ".ci" / "python-versions", os.X_OK)
+
+
+def test_pep561_marker_is_package_data():
+    assert (REPO / "fairseq_modattn" / "py.typed").is_file()
+    assert "py.typed" in pyproject()["tool"]["setuptools"]["package-data"]["fairseq_modattn"]
+
+
+def test_built_wheel_ships_py_typed_and_the_metadata(tmp_path):
+    """The wheel pip builds from the tree carries py.typed (PEP 561) and the declared Python floor."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = tmp_path.glob("fairseq_modattn-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "fairseq_modattn/py.typed" in names
+    assert "fairseq_modattn/demo/static/index.html" in names
+    assert "Requires-Python: >=3.11" in metadata
+    assert "Requires-Dist: fairseq-fixed<0.13,>=0.12.3" in metadata

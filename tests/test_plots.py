@@ -31,7 +31,7 @@ def redundancy(layers=3, heads=4, seed=0):
     a = rng.dirichlet(np.ones(8), size=layers * heads)
     m = 1 - 0.5 * np.abs(a[:, None] - a[None]).sum(-1)
     np.fill_diagonal(m, 1.0)
-    labels = [f"L{l + 1}H{h + 1}" for l in range(layers) for h in range(heads)]
+    labels = [f"L{layer + 1}H{h + 1}" for layer in range(layers) for h in range(heads)]
     return m, labels
 
 
@@ -93,11 +93,11 @@ def test_head_redundancy_exact_size_at_odd_dpi(tmp_path):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda m, l: (m[:, :-1], l), "square"),
-    (lambda m, l: (np.where(np.eye(len(l), dtype=bool), np.nan, m), l), "finite"),
-    (lambda m, l: (m, l[:-1]), "expected 12 labels"),
-    (lambda m, l: (m * 3, l), r"values in \[0.0, 1.0\]"),
-    (lambda m, l: (m[0], l), "2-D array"),
+    (lambda m, names: (m[:, :-1], names), "square"),
+    (lambda m, names: (np.where(np.eye(len(names), dtype=bool), np.nan, m), names), "finite"),
+    (lambda m, names: (m, names[:-1]), "expected 12 labels"),
+    (lambda m, names: (m * 3, names), r"values in \[0.0, 1.0\]"),
+    (lambda m, names: (m[0], names), "2-D array"),
 ])
 def test_head_redundancy_validation(tmp_path, mutate, message):
     m, labels = redundancy()
@@ -142,7 +142,7 @@ def test_failed_save_keeps_old_file_and_leaves_no_temporary(tmp_path, monkeypatc
 def test_cluster_top_tokens_png(tmp_path):
     rng = np.random.default_rng(1)
     clusters = []
-    for c in range(7):
+    for _ in range(7):
         scores = np.sort(rng.random(10))[::-1]
         clusters.append([(w, float(s)) for w, s in zip(rng.choice(WORDS, 10, replace=False), scores)])
     clusters.append([])  # an empty cluster is drawn as a "no tokens" panel
@@ -164,7 +164,8 @@ def test_cluster_top_tokens_validation(tmp_path, clusters, kwargs, message):
     assert list(tmp_path.iterdir()) == []
 
 
-def sentence(t=len(WORDS), c=8, seed=2):
+def sentence(t=None, c=8, seed=2):
+    t = len(WORDS) if t is None else t
     rng = np.random.default_rng(seed)
     post = rng.dirichlet(np.full(c, 0.3), size=t)
     return WORDS[:t], post
@@ -329,7 +330,7 @@ def test_rim_activation_validation(tmp_path):
 
 
 def test_ablation_png(tmp_path):
-    rows = [{"n_c": n, "bleu": b, "lr": l, "hr": h} for n, b, l, h in
+    rows = [{"n_c": n, "bleu": b, "lr": low, "hr": high} for n, b, low, high in
             [(16, 34.8, .33, .44), (2, 34.1, .41, .52), (4, 34.6, .38, .49), (8, 35.0, .35, .45)]]
     out = P.plot_ablation(rows, tmp_path / "abl.png")
     check_png(out, P.figure_size_px("ablation"))

@@ -23,7 +23,10 @@ import torch
 
 from cli_checks import logged
 from conftest import MODATTN, PLUGIN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
-from fairseq_modattn.compat.unknown_architecture import UnknownArchitectureError, build_model_naming_unknown_architecture
+from fairseq_modattn.compat.unknown_architecture import (
+    UnknownArchitectureError,
+    build_model_naming_unknown_architecture,
+)
 
 #: what the criterion logs for a DMA model besides fairseq's loss, nll_loss and ppl (docs/analysis.md)
 DMA_KEYS = {"ce_loss", "kl", "dqq", "dxq", "div", "gamma"}

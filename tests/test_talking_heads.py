@@ -7,9 +7,9 @@ import torch
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 
+import fairseq_modattn  # noqa: F401  (registers the plugin)
 from attention_helpers import causal_mask, check_incremental_decoding, padding, randomise_biases
 from beam_search_checks import check_beam_shared_keys_are_exact
-import fairseq_modattn  # noqa: F401  (registers the plugin)
 from fairseq_modattn.models.talking_heads_transformer import TalkingHeadsTransformerModel
 from fairseq_modattn.modules import TalkingHeadsAttention
 from tiny_models import model_args

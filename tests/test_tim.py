@@ -12,9 +12,9 @@ from fairseq import utils
 from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
+import fairseq_modattn  # noqa: F401  (registers the architectures)
 from attention_helpers import check_incremental_decoding, decode_incrementally
 from beam_search_checks import check_beam_shared_keys_are_exact
-import fairseq_modattn  # noqa: F401  (registers the architectures)
 from fairseq_modattn.models.tim_transformer import (
     TIMTransformerModel,
     matched_ffn_dim,

@@ -16,10 +16,9 @@ import json
 import os
 import sys
 
-from fairseq_cli.train import cli_main  # first: it sets up fairseq-train's log format
-
 import torch
 from fairseq.trainer import Trainer
+from fairseq_cli.train import cli_main  # first: it sets up fairseq-train's log format
 
 _aggregate = Trainer._aggregate_logging_outputs
 

@@ -14,17 +14,21 @@ softmax heads W), T queries, S keys, per module, for its last call.
 
 import inspect
 from contextlib import ExitStack, contextmanager
-from typing import Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Tuple, TypeGuard, cast
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ..compat.per_head_attention_weights import fairseq_attention_per_head_path
+
 # ATTENTION_TYPES: the names that callers of attention_modules (the demo) iterate over
 from ..models.attention_types import ATTENTION_TYPES, ATTRIBUTE_LABELS, layer_attribute, query_stack  # noqa: F401
 from . import AnalysisError
 from .loading import model_name
+
+if TYPE_CHECKING:  # imported where used at run time: the modules import fairseq
+    from ..modules.dma_attention import DisentangledMaskAttention
 
 
 def attention_modules(model: nn.Module, attention_type: str) -> List[Tuple[str, nn.Module]]:
@@ -57,7 +61,8 @@ def describe_module(name: str) -> str:
 
 def query_heads(module: nn.Module) -> int:
     """How many heads the module splits its queries into (talking heads: h_k)."""
-    return getattr(module, "key_heads", module.num_heads)
+    # num_heads and key_heads are plain ints; nn.Module's attribute type cannot say so
+    return getattr(module, "key_heads", cast(int, module.num_heads))
 
 
 class AttentionRecorder:
@@ -95,7 +100,8 @@ class AttentionRecorder:
             stack.callback(pre.remove)
             stack.callback(post.remove)
             if self.keep_queries:
-                q_hook = module.q_proj.register_forward_hook(self._query_hook(name, query_heads(module)))
+                q_proj = cast(nn.Module, module.q_proj)
+                q_hook = q_proj.register_forward_hook(self._query_hook(name, query_heads(module)))
                 stack.callback(q_hook.remove)
 
     def _pre_hook(self, name, signature, requested):
@@ -182,7 +188,7 @@ def dma_semantic_mask(posteriors_q: Tensor, posteriors_k: Tensor) -> Tensor:
     return torch.matmul(posteriors_q, posteriors_k.transpose(-1, -2))
 
 
-def is_dma_module(module: nn.Module) -> bool:
+def is_dma_module(module: nn.Module) -> TypeGuard["DisentangledMaskAttention"]:
     from ..modules.dma_attention import DisentangledMaskAttention
 
     return isinstance(module, DisentangledMaskAttention)
@@ -194,9 +200,10 @@ def forward_sample(model: nn.Module, sample: dict):
         return model(**sample["net_input"])
 
 
-def require_dma(model: nn.Module, attention_type: str) -> List[Tuple[str, nn.Module]]:
+def require_dma(model: nn.Module, attention_type: str) -> List[Tuple[str, "DisentangledMaskAttention"]]:
     """The DMA modules of ``attention_type`` (error naming the model when there are none)."""
-    found = [(n, m) for n, m in attention_modules(model, attention_type) if is_dma_module(m)]
+    found: List[Tuple[str, "DisentangledMaskAttention"]] = [
+        (n, m) for n, m in attention_modules(model, attention_type) if is_dma_module(m)]
     if not found:
         raise AnalysisError(
             f"this {model_name(model)} model has no DMA {attention_type} attention: cluster plots need "

@@ -20,7 +20,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -67,7 +67,8 @@ def find_checkpoints(
     if (num_epoch_checkpoints is None) == (num_update_checkpoints is None):
         raise AnalysisError("give exactly one of num_epoch_checkpoints / num_update_checkpoints")
     by_update = num_update_checkpoints is not None
-    wanted = num_update_checkpoints if by_update else num_epoch_checkpoints
+    wanted = num_update_checkpoints if num_update_checkpoints is not None else num_epoch_checkpoints
+    assert wanted is not None  # exactly one of the two is given (checked above)
     kind = "update" if by_update else "epoch"
     if wanted < 1:
         raise AnalysisError(f"the number of {kind} checkpoints must be >= 1, got {wanted}")
@@ -157,14 +158,14 @@ def average_checkpoints(paths: Sequence[PathLike]) -> dict:
     must be identical in every checkpoint and are kept. Only one checkpoint and the running sum
     are held in memory at a time.
     """
-    paths = [Path(p) for p in paths]
-    if not paths:
+    files = [Path(p) for p in paths]
+    if not files:
         raise AnalysisError("no checkpoints to average")
-    first = paths[0]
+    first = files[0]
     layout: Dict[str, object] = {}
     sums: Dict[str, torch.Tensor] = {}
     state: dict = {}
-    for index, path in enumerate(paths):
+    for index, path in enumerate(files):
         state = load_checkpoint_safely(path)
         model = state["model"]
         if index == 0:
@@ -181,7 +182,7 @@ def average_checkpoints(paths: Sequence[PathLike]) -> dict:
     averaged = {}
     for key, value in state["model"].items():
         if key in sums:
-            averaged[key] = sums.pop(key).div_(len(paths)).to(value.dtype)
+            averaged[key] = sums.pop(key).div_(len(files)).to(value.dtype)
         else:
             averaged[key] = value
     state["model"] = averaged
@@ -198,4 +199,4 @@ def save_checkpoint_atomically(state: dict, path: PathLike) -> Path:
         with open(tmp_name, "wb") as f:  # a Python file object: torch's error then carries the ENOSPC
             torch.save(state, f)
 
-    return atomic_write(path, write, expected_size=tensor_bytes(state))
+    return atomic_write(Path(path), write, expected_size=tensor_bytes(state))

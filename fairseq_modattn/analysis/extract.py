@@ -11,7 +11,7 @@ teacher-forced forward, exactly the computation of validation, on the split's se
     rim_activation       one sentence's RIM activation per layer
 """
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import numpy as np
 import torch
@@ -68,25 +68,31 @@ def sentence_sample(task, model, subset: str, index: int) -> dict:
 
     size = split_size(task, subset)
     if not 0 <= index < size:
-        raise AnalysisError(f"--sentence {index} is out of range: split {subset!r} has {size} sentences (0..{size - 1})")
+        raise AnalysisError(
+            f"--sentence {index} is out of range: split {subset!r} has {size} sentences (0..{size - 1})")
     dataset = task.dataset(subset)
     sample = dataset.collater([dataset[index]])
     return utils.move_to_cuda(sample) if next(model.parameters()).device.type == "cuda" else sample
 
 
-def pick_layer(modules: List[Tuple[str, torch.nn.Module]], layer: Optional[int]) -> Tuple[str, torch.nn.Module]:
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def pick_layer(modules: List[Tuple[str, ModuleT]], layer: Optional[int]) -> Tuple[str, ModuleT]:
     """Layer ``layer`` (1-based; None = the last) of ``modules``."""
     if layer is None:
         return modules[-1]
     if not 1 <= layer <= len(modules):
-        raise AnalysisError(f"--layer {layer} is out of range: the model has {len(modules)} such layers (1..{len(modules)})")
+        raise AnalysisError(
+            f"--layer {layer} is out of range: the model has {len(modules)} such layers (1..{len(modules)})")
     return modules[layer - 1]
 
 
 def check_head(module, head: int) -> int:
     """0-based index of the 1-based ``head``."""
     if not 1 <= head <= module.num_heads:
-        raise AnalysisError(f"--head {head} is out of range: the layer has {module.num_heads} heads (1..{module.num_heads})")
+        raise AnalysisError(
+            f"--head {head} is out of range: the layer has {module.num_heads} heads (1..{module.num_heads})")
     return head - 1
 
 
@@ -193,7 +199,8 @@ def layer_queries(
 def tim_competition(model, task, subset: str, index: int, side: str = "encoder") -> Dict:
     """One sentence's competition c (T, n_s) in each TIM layer of the encoder (or decoder)."""
     if not hasattr(model, "competition"):
-        raise AnalysisError(f"this {model_name(model)} model has no TIM layers: competition plots need a tim_transformer checkpoint")
+        raise AnalysisError(
+            f"this {model_name(model)} model has no TIM layers: competition plots need a tim_transformer checkpoint")
     sample = sentence_sample(task, model, subset, index)
     forward_sample(model, sample)
     layers = {name: c for name, c in model.competition().items() if name.startswith(side + ".")}
@@ -205,7 +212,8 @@ def tim_competition(model, task, subset: str, index: int, side: str = "encoder")
     tokens = token_strings(side_dictionary(task, token_side), side_tokens(sample, token_side)[0].tolist())
     return {
         "tokens": tokens,
-        "competition": {describe_module(name): c[0].float().cpu().numpy() for name, c in layers.items() if c is not None},
+        "competition": {describe_module(name): c[0].float().cpu().numpy()
+                        for name, c in layers.items() if c is not None},
     }
 
 
@@ -213,11 +221,13 @@ def rim_activation(model, task, subset: str, index: int) -> Dict:
     """One sentence's RIM activation per encoder layer: (T, n), the fraction of directions in
     which each RIM was active at each token (0 or 1 for a unidirectional encoder)."""
     if not hasattr(model, "rim_activations"):
-        raise AnalysisError(f"this {model_name(model)} model has no RIM encoder: activation plots need a rim_lstm checkpoint")
+        raise AnalysisError(
+            f"this {model_name(model)} model has no RIM encoder: activation plots need a rim_lstm checkpoint")
     sample = sentence_sample(task, model, subset, index)
     forward_sample(model, sample)
     tokens = token_strings(task.source_dictionary, sample["net_input"]["src_tokens"][0].tolist())
     return {
         "tokens": tokens,
-        "activation": {f"layer {i + 1}": a[0].float().mean(dim=1).cpu().numpy() for i, a in model.rim_activations().items()},
+        "activation": {f"layer {i + 1}": a[0].float().mean(dim=1).cpu().numpy()
+                       for i, a in model.rim_activations().items()},
     }

@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 def load_model(path, data: Optional[str] = None, cpu: bool = True):
     """(model, task, cfg) of the checkpoint ``path``; ``data`` replaces the data-bin recorded in
     it (checkpoints remember the folder they were trained on, which may be elsewhere now)."""
-    import fairseq_modattn  # noqa: F401  (registers the models; applies the loading fixes of compat/)
     from fairseq import checkpoint_utils
+
+    import fairseq_modattn  # noqa: F401  (registers the models; applies the loading fixes of compat/)
     from fairseq_modattn.compat.damaged_checkpoints import DamagedCheckpointError, describe_load_failure
     from fairseq_modattn.dictionaries import DictionaryMismatchError, check_recorded_data_bin
 
@@ -68,7 +69,8 @@ def split_size(task, subset: str) -> int:
     binaries = list(data_dir.glob(f"{subset}.*.bin")) if data_dir.is_dir() else []
     if binaries and all(b.stat().st_size == 0 for b in binaries):
         # checked before fairseq opens them: its MMapIndexedDataset cannot mmap an empty file
-        raise AnalysisError(f"split {subset!r} of the data-bin is empty ({binaries[0]} holds no data): nothing to analyse")
+        raise AnalysisError(
+            f"split {subset!r} of the data-bin is empty ({binaries[0]} holds no data): nothing to analyse")
     try:
         if subset not in task.datasets:
             task.load_dataset(subset)

@@ -45,6 +45,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.layout_engine import ConstrainedLayoutEngine
 from matplotlib.lines import Line2D
 
 from ..atomic_files import atomic_path
@@ -152,9 +153,9 @@ def figure_size_px(kind: str, dpi: float = 100, **shape) -> tuple[int, int]:
 def _new_figure(kind: str, dpi: float, **shape) -> Figure:
     w_px, h_px = figure_size_px(kind, dpi=dpi, **shape)
     # Agg truncates width*dpi to an int: a quarter pixel of slack makes the size exact.
-    fig = Figure(figsize=((w_px + 0.25) / dpi, (h_px + 0.25) / dpi), dpi=dpi, layout="constrained")
+    layout = ConstrainedLayoutEngine(w_pad=0.06, h_pad=0.06, wspace=0.04, hspace=0.04)
+    fig = Figure(figsize=((w_px + 0.25) / dpi, (h_px + 0.25) / dpi), dpi=dpi, layout=layout)
     FigureCanvasAgg(fig)
-    fig.get_layout_engine().set(w_pad=0.06, h_pad=0.06, wspace=0.04, hspace=0.04)
     return fig
 
 
@@ -221,7 +222,7 @@ def _set_ticks(ax, axis: str, labels: Sequence[str], length_in: float, fontsize:
     size = _clip(pitch * 72 / 1.35, 6.0, fontsize)
     step = max(1, math.ceil(size * 1.35 / 72 / pitch))
     idx = np.arange(0, n, step)
-    shown = [_label(labels[i]) for i in idx]
+    shown = [_label(labels[i]) for i in idx.tolist()]
     if axis == "x":
         ax.set_xticks(idx, shown, fontsize=size, rotation=rotation,
                       ha="right" if 0 < rotation < 90 else "center", rotation_mode="anchor"
@@ -522,6 +523,7 @@ def _layer_panels(kind: str, tokens, layers, path, title, default_title: str, y_
         ax.set_title(name, fontsize=10, loc="left")
     _set_ticks(axes[-1], "x", tokens, w_in - 2.6, rotation=90)
     axes[-1].set_xlabel("token")
+    assert im is not None  # layers is never empty: checked on entry
     cbar = fig.colorbar(im, ax=list(axes), shrink=0.95, aspect=max(10, 6 * len(axes)), pad=0.02)
     if binary_labels is not None and is_bool:
         cbar.set_ticks([0.0, 1.0], labels=list(binary_labels))

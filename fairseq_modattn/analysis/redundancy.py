@@ -125,8 +125,10 @@ class RedundancyAccumulator:
     def result(self) -> RedundancyResult:
         if self.rows == 0:
             raise AnalysisError("no query rows were seen: the split is empty or every position is padding")
-        lr_layers = (self.lr_sums / self.rows).tolist()
-        matrix = self.pair_sums / self.rows
+        lr_sums, pair_sums = self.lr_sums, self.pair_sums
+        assert lr_sums is not None and pair_sums is not None  # set by the add() that counted rows
+        lr_layers = (lr_sums / self.rows).tolist()
+        matrix = pair_sums / self.rows
         n = matrix.size(0)
         off_diagonal = ~torch.eye(n, dtype=torch.bool)
         labels = [f"L{layer + 1}H{head + 1}" for layer in range(self.layers) for head in range(self.heads)]

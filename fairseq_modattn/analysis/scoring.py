@@ -34,9 +34,10 @@ def compound_split(line: str) -> str:
     same semantics), so the character after a hyphen, once consumed, cannot start the next
     match: ``a-b-c`` becomes ``a ##AT##-##AT## b-c``, not a full split (the Perl script gives
     the same string); only one-character pieces between two hyphens are affected, so
-    ``state-of-the-art`` is split at every hyphen. A hyphen already Moses-split as ``@-@`` is surrounded by ``@``, which is
-    non-space, so ``well @-@ known`` becomes ``well @ ##AT##-##AT## @ known``. A hyphen next to
-    a space or the line's ends (``- a``, ``a -``) is left alone.
+    ``state-of-the-art`` is split at every hyphen. A hyphen already Moses-split as ``@-@`` is
+    surrounded by ``@``, which is non-space, so ``well @-@ known`` becomes
+    ``well @ ##AT##-##AT## @ known``. A hyphen next to a space or the line's ends (``- a``,
+    ``a -``) is left alone.
     """
     return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
 
@@ -100,7 +101,8 @@ def parse_generate_output(text: str) -> GenerateResult:
 
 def _check_pairs(hyps: Sequence[str], refs: Sequence[str]):
     if len(hyps) != len(refs):
-        raise AnalysisError(f"{len(hyps)} hypotheses but {len(refs)} references: BLEU needs one reference per hypothesis")
+        raise AnalysisError(
+            f"{len(hyps)} hypotheses but {len(refs)} references: BLEU needs one reference per hypothesis")
     if not hyps:
         raise AnalysisError("no sentences to score")
 

@@ -26,9 +26,9 @@ from typing import Dict, List
 
 from ..analysis import AnalysisError, scoring
 from ..atomic_files import write_json_atomically
+from ..help_format import DefaultsHelpFormatter
 from ..models.attention_types import ATTENTION_TYPES
 from . import runs
-from ..help_format import DefaultsHelpFormatter
 from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
 #: the paper's IWSLT14 training recipe (examples/iwslt14); flags after '--' override these
@@ -84,8 +84,9 @@ def validate(args, train_extra: List[str]):
         raise AnalysisError(f"--clusters must be distinct positive integers, got {args.clusters}")
     if args.num_epoch_checkpoints < 1:
         raise AnalysisError("--num-epoch-checkpoints must be >= 1")
-    import fairseq_modattn  # noqa: F401  (registers the architectures)
     from fairseq.models import ARCH_MODEL_REGISTRY
+
+    import fairseq_modattn  # noqa: F401  (registers the architectures)
 
     model = ARCH_MODEL_REGISTRY.get(args.arch)
     if model is None or model.__name__ != "DMATransformerModel":
@@ -95,7 +96,8 @@ def validate(args, train_extra: List[str]):
     clash = sorted({a.split("=", 1)[0] for a in train_extra} & owned)
     if clash:
         raise AnalysisError(f"{', '.join(clash)} after '--' would override what ablate sets itself; "
-                            "use ablate's own flags (--clusters, --arch, --output-dir, --seed, --max-epoch/--max-update)")
+                            "use ablate's own flags "
+                            "(--clusters, --arch, --output-dir, --seed, --max-epoch/--max-update)")
 
 
 def settings_of(args, train_extra: List[str]) -> Dict:
@@ -151,7 +153,9 @@ def markdown_table(rows: List[Dict], settings: Dict) -> str:
         value = row[column]
         if column == "params":
             return f"{value:,}"
-        return f"{value:.3f}" if column in ("LR", "HR") else (f"{value:.2f}" if isinstance(value, float) else str(value))
+        if column in ("LR", "HR"):
+            return f"{value:.3f}"
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
 
     budget = ", ".join(f"{k} {settings[k]}" for k in ("max_epoch", "max_update") if settings[k] is not None)
     lines = [
@@ -181,8 +185,8 @@ def csv_table(rows: List[Dict]) -> str:
 
 
 def write_outputs(output_dir: Path, results: Dict[int, Dict], settings: Dict, log) -> List[Dict]:
-    from ..atomic_files import atomic_write
     from ..analysis.plots import plot_ablation
+    from ..atomic_files import atomic_write
 
     rows = table_rows(results)
     for name, text in (("table.md", markdown_table(rows, settings)), ("table.csv", csv_table(rows))):

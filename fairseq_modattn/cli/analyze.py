@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..analysis import AnalysisError
-from ..models.attention_types import ATTENTION_TYPES
 from ..atomic_files import write_json_atomically
 from ..help_format import DefaultsHelpFormatter
+from ..models.attention_types import ATTENTION_TYPES
 
 PLOT_KINDS = {
     "redundancy": "head-redundancy matrix (1 - JS between every pair of heads) heatmap, paper Fig. 3",
@@ -33,7 +33,8 @@ def log(message: str):
 
 def add_model_args(parser: argparse.ArgumentParser):
     parser.add_argument("data", help="the fairseq data-bin folder (as for fairseq-generate)")
-    parser.add_argument("--path", required=True, help="checkpoint file (.pt) of any model of this package or of fairseq")
+    parser.add_argument("--path", required=True,
+                        help="checkpoint file (.pt) of any model of this package or of fairseq")
     parser.add_argument("--gen-subset", default="test", help="data split to analyse")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is available")
 
@@ -50,7 +51,8 @@ def redundancy_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="enc_self",
                    help=f"comma-separated attention types ({', '.join(ATTENTION_TYPES)}) or 'all'")
     p.add_argument("--max-tokens", type=int, default=4000, help="tokens per batch")
-    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: the whole split)")
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="stop after this many batches (default: the whole split)")
     p.add_argument("--output", type=Path, default=None,
                    help="write the results as JSON to this file (a directory is refused)")
     p.add_argument("--plot", type=Path, default=None,
@@ -63,7 +65,8 @@ def parse_attention_types(value: str) -> List[str]:
     types = list(ATTENTION_TYPES) if value == "all" else [t.strip() for t in value.split(",") if t.strip()]
     unknown = [t for t in types if t not in ATTENTION_TYPES]
     if unknown or not types:
-        raise AnalysisError(f"--attention: expected a comma-separated subset of {', '.join(ATTENTION_TYPES)} or 'all', got {value!r}")
+        raise AnalysisError(f"--attention: expected a comma-separated subset of {', '.join(ATTENTION_TYPES)} "
+                            f"or 'all', got {value!r}")
     return types
 
 
@@ -90,10 +93,12 @@ def _redundancy(args) -> int:
     types = parse_attention_types(args.attention)
     model, task, cfg = load_model(args.path, args.data, cpu=args.cpu)
     sentences = split_size(task, args.gen_subset)
-    log(f"{args.path}: {model_name(model)} ({getattr(cfg.model, 'arch', '?')}), {sentences} sentences in {args.gen_subset!r}")
+    log(f"{args.path}: {model_name(model)} ({getattr(cfg.model, 'arch', '?')}), "
+        f"{sentences} sentences in {args.gen_subset!r}")
     results = {}
     for attention_type in types:
-        result = measure_redundancy(model, task, args.gen_subset, attention_type, args.max_tokens, args.max_batches, log=log)
+        result = measure_redundancy(model, task, args.gen_subset, attention_type, args.max_tokens, args.max_batches,
+                                    log=log)
         results[attention_type] = result
         log(f"{attention_type}: LR {result.lr:.4f}  HR {result.hr:.4f}  "
             f"({len(result.lr_per_layer)} layers x {result.heads_per_layer} heads, {result.rows} query rows)")
@@ -173,16 +178,18 @@ def _plot(args) -> int:
     log(f"{args.path}: {model_name(model)} ({getattr(cfg.model, 'arch', '?')})")
     common = {"dpi": args.dpi}
     if args.kind == "redundancy":
-        r = extract.measure_redundancy(model, task, args.gen_subset, args.attention, args.max_tokens, args.max_batches, log=log)
+        r = extract.measure_redundancy(model, task, args.gen_subset, args.attention, args.max_tokens,
+                                       args.max_batches, log=log)
         draw_redundancy(r, args.attention, args.output, **common)
     elif args.kind == "clusters":
-        clusters, where = extract.cluster_top_tokens(model, task, args.gen_subset, args.attention, args.layer, args.head,
-                                                     args.top_k, args.min_count, args.max_batches)
+        clusters, where = extract.cluster_top_tokens(model, task, args.gen_subset, args.attention, args.layer,
+                                                     args.head, args.top_k, args.min_count, args.max_batches)
         plots.plot_cluster_top_tokens(clusters, args.output, title=f"top tokens per cluster: {where}",
                                       cluster_ids=list(range(1, len(clusters) + 1)),
                                       score_label="mean p(cluster | token)", **common)
     elif args.kind == "sentence":
-        s = extract.sentence_clusters(model, task, args.gen_subset, args.sentence, args.attention, args.layer, args.head)
+        s = extract.sentence_clusters(model, task, args.gen_subset, args.sentence, args.attention, args.layer,
+                                      args.head)
         plots.plot_sentence_clusters(s["tokens"], s["posteriors"], s["mask"], args.output, key_tokens=s["key_tokens"],
                                      title=f"sentence {args.sentence}: {s['module']}", **common)
     elif args.kind == "queries":

@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import child_processes
-from ..analysis import AnalysisError
+from ..analysis import AnalysisError, scoring
 from ..analysis import checkpoints as ckpt
-from ..analysis import scoring
 from ..atomic_files import check_output_file, load_json, write_json_atomically, write_lines
-from ..folder_lock import exclusive_use
-from ..disk_space import describe_disk_full
 from ..data.errors import DataError
 from ..data.readers import read_lines
+from ..disk_space import describe_disk_full
+from ..folder_lock import exclusive_use
 from .average import add_checkpoint_selection
 from .fairseq_commands import PLUGIN_DIR, fairseq_script
 
@@ -163,7 +162,8 @@ def _check_extra_args(extra: Sequence[str]):
     for arg in extra:
         flag = arg.split("=", 1)[0]
         if flag in RESERVED_GENERATE_FLAGS:
-            raise AnalysisError(f"extra fairseq-generate argument {flag} is not allowed: {RESERVED_GENERATE_FLAGS[flag]}")
+            raise AnalysisError(f"extra fairseq-generate argument {flag} is not allowed: "
+                                f"{RESERVED_GENERATE_FLAGS[flag]}")
 
 
 def _read_references(path: Path, expected: int, subset: str) -> List[str]:

@@ -42,8 +42,9 @@ from typing import Dict, List, Optional
 
 def plugin_architectures():
     """{arch name: model class} for the architectures this package registers."""
-    import fairseq_modattn  # noqa: F401  (registers the models)
     from fairseq.models import ARCH_MODEL_REGISTRY
+
+    import fairseq_modattn  # noqa: F401  (registers the models)
 
     return {
         name: cls
@@ -114,9 +115,8 @@ def prepare(argv: List[str]) -> int:
         print(f"fairseq-modattn prepare: unknown corpus {argv[0]!r}; choose from: "
               f"{', '.join(sorted(data.RECIPES))}", file=sys.stderr)
         return 2
-    from fairseq_modattn.data.errors import DataError
-
     from fairseq_modattn.child_processes import stopping_on_sigterm
+    from fairseq_modattn.data.errors import DataError
 
     try:
         with stopping_on_sigterm():  # SIGTERM ends it as Ctrl-C does, with the reminder below

@@ -26,9 +26,9 @@ from typing import Dict, List
 
 from ..analysis import AnalysisError, scoring
 from ..atomic_files import write_json_atomically
+from ..help_format import DefaultsHelpFormatter
 from ..models.attention_types import ATTENTION_TYPES
 from . import runs
-from ..help_format import DefaultsHelpFormatter
 from .model_recipes import RECIPES, ModelRecipe
 
 DEFAULT_MODELS = ["transformer", "dma"]
@@ -104,7 +104,8 @@ def validate(args, train_extra: List[str]):
     clash = sorted({a.split("=", 1)[0] for a in train_extra} & owned)
     if clash:
         raise AnalysisError(f"{', '.join(clash)} after '--' would override what quickstart sets itself; "
-                            "use quickstart's own flags (--models, --output-dir, --seed, --max-update, --max-epoch, --cpu)")
+                            "use quickstart's own flags "
+                            "(--models, --output-dir, --seed, --max-update, --max-epoch, --cpu)")
 
 
 def prepare_data(args, log) -> Path:
@@ -228,7 +229,8 @@ def quickstart(argv: List[str]) -> int:
         settings = {
             "data": str(args.data.resolve()) if args.data else "multi30k prepared into OUTPUT_DIR/data-bin",
             "max_train_sentences": args.max_train_sentences, "bpe_size": args.bpe_size, "models": args.models,
-            "max_update": args.max_update, "max_epoch": args.max_epoch, "seed": args.seed, "average_last": args.average_last, "beam": args.beam,
+            "max_update": args.max_update, "max_epoch": args.max_epoch, "seed": args.seed,
+            "average_last": args.average_last, "beam": args.beam,
             "generate_args": shlex.split(args.generate_args), "train_args": train_extra,
         }
         runs.check_settings(args.output_dir, settings, IDENTITY_KEYS)

@@ -5,10 +5,10 @@
 Loads the checkpoint (any model of this package, or a plain fairseq transformer / LSTM), reads
 the text settings and subword model the data recipe recorded in DATA-BIN
 (``data/text_pipeline.py``; guesses for a data-bin without them, which the start-up line says),
-and serves the page and the JSON API of ``fairseq_modattn/demo/app.py`` until stopped. Bad start-up input (a missing checkpoint,
-data-bin or subword model, a port in use, Flask or plotly not installed) is one line on stderr
-and exit status 1; the port is taken before the checkpoint is loaded, so a port in use fails
-within seconds.
+and serves the page and the JSON API of ``fairseq_modattn/demo/app.py`` until stopped. Bad
+start-up input (a missing checkpoint, data-bin or subword model, a port in use, Flask or plotly
+not installed) is one line on stderr and exit status 1; the port is taken before the checkpoint
+is loaded, so a port in use fails within seconds.
 
 Stopping: SIGTERM, or Ctrl-C (SIGINT) unless the server was started with SIGINT ignored, as a
 shell starts its background jobs (``serve ... &`` in a script): the server stops accepting
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..demo import MAX_RESPONSE_BYTES
 from ..data.text_pipeline import LOWERCASE, SUBWORDS, TOKENIZERS, subword_choice
+from ..demo import MAX_RESPONSE_BYTES
 from ..help_format import DefaultsHelpFormatter
 
 

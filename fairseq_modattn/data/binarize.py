@@ -27,7 +27,6 @@ from .errors import DataError
 from .manifest import MANIFEST, WRITTEN_BY, data_bin_files, read_manifest
 from .steps import Steps
 
-
 # Runs fairseq-preprocess as the child of a small wrapper: it leads its own process group (so
 # its --workers pool processes can be stopped with it) and, on SIGTERM, kills that whole group.
 _CHILD_WRAPPER = (

@@ -139,8 +139,8 @@ def prepare(args) -> Summary:
         stats.save(stats_json)
 
     stats_path = tok / "clean-stats.json"
-    steps.run("train", [tok / f"{s}.{l}" for s in ("train", "valid") for l in (SRC, TGT)] + [stats_path],
-              train_valid, inputs=[files[f"{TRAIN_STEM}.{l}"] for l in (SRC, TGT)],
+    steps.run("train", [tok / f"{s}.{lang}" for s in ("train", "valid") for lang in (SRC, TGT)] + [stats_path],
+              train_valid, inputs=[files[f"{TRAIN_STEM}.{lang}"] for lang in (SRC, TGT)],
               params={"ratio": args.clean_ratio, "min": args.clean_min, "max": args.clean_max,
                       "lower": lower, "valid_every": VALID_EVERY})
 
@@ -153,7 +153,7 @@ def prepare(args) -> Summary:
                 lines += src_seg if lang == SRC else tgt_seg
             _write_lines_now(out, tokenize_lines(lines, test_settings[lang], workers=args.workers))
 
-    test_inputs = [files[f"{n}.de-en.{l}.xml"] for n in TEST_SETS for l in (SRC, TGT)]
+    test_inputs = [files[f"{n}.de-en.{lang}.xml"] for n in TEST_SETS for lang in (SRC, TGT)]
     steps.run("test", [tok / f"test.{SRC}", tok / f"test.{TGT}"], test, inputs=test_inputs,
               params={"lower": lower, "sets": TEST_SETS})
 

@@ -20,7 +20,6 @@ from ..atomic_files import PathLike, check_output_file, is_temporary, load_json
 from .errors import DataError
 from .steps import Steps
 
-
 MANIFEST = "prepare-manifest.json"
 WRITTEN_BY = "fairseq-modattn prepare"  # tells our manifests from any other file of that name
 

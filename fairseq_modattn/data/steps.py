@@ -8,8 +8,9 @@ size, sha256 and modification time, taken from the temporary before the rename (
 another writer put at the path in between is not vouched for). A step is skipped when its params
 and inputs are the same and every output is still the file the marker describes (same size, and
 the same modification time or, for a copied folder, the same sha256); an interrupted step leaves
-no marker, so a rerun redoes it (and overwrites its own outputs, never other files). A rerun first removes the temporaries a killed run left beside the step's outputs
-(``.NAME.tmp-*``, and the nested ``..NAME.tmp-*`` of older versions).
+no marker, so a rerun redoes it (and overwrites its own outputs, never other files). A rerun
+first removes the temporaries a killed run left beside the step's outputs (``.NAME.tmp-*``, and
+the nested ``..NAME.tmp-*`` of older versions).
 
 Every recipe is a sequence of such steps, which is what lets ``fairseq-modattn prepare`` resume.
 """

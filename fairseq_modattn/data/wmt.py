@@ -190,7 +190,7 @@ def finish(args, steps, work, name, src, tgt, clean_splits=("train", "valid"), n
     sizes = (f"{args.bpe_size}" if joint else f"{src} {args.src_bpe_size} / {tgt} {args.tgt_bpe_size}")
     summary.notes += list(notes) + [
         f"{args.subword} {kind}, size {sizes}; model(s) copied into {args.dest}",
-        f"clean-corpus-n on {'/'.join(clean_splits)}: ratio {args.clean_ratio}, {args.clean_min}..{args.clean_max} tokens; "
-        f"text: {final}",
+        f"clean-corpus-n on {'/'.join(clean_splits)}: ratio {args.clean_ratio}, "
+        f"{args.clean_min}..{args.clean_max} tokens; text: {final}",
     ]
     return summary

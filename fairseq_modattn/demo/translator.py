@@ -364,7 +364,8 @@ class Translator:
             except AnalysisError:
                 pass  # not a multi-head attention of this model (LSTM-style encoders and decoders)
         with ExitStack() as stack:
-            recorders = {kind: stack.enter_context(record_modules(found, inputs=True)) for kind, found in modules.items()}
+            recorders = {kind: stack.enter_context(record_modules(found, inputs=True))
+                         for kind, found in modules.items()}
             with torch.no_grad():
                 output = self.model(**sample["net_input"])
 

@@ -1,6 +1,10 @@
 """Registered models; importing a file registers its model and named architectures."""
 
-from . import dma_transformer  # noqa: F401
-from . import tim_transformer  # noqa: F401
-from . import talking_heads_transformer  # noqa: F401
-from . import rim_lstm  # noqa: F401
+# isort: off  (the families register in this order, which is the order fairseq lists them in --arch)
+from . import (
+    dma_transformer,  # noqa: F401
+    rim_lstm,  # noqa: F401
+    talking_heads_transformer,  # noqa: F401
+    tim_transformer,  # noqa: F401
+)
+# isort: on

@@ -144,7 +144,8 @@ def validate_dma_args(args):
         )
 
 
-def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int, **kwargs) -> DisentangledMaskAttention:
+def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int,
+                        **kwargs) -> DisentangledMaskAttention:
     """The DMA module for one attention type (``AttentionSwap.build_attention``)."""
     if safe_getattr(cfg.quant_noise, "pq", 0) > 0:
         raise ValueError("--quant-noise-pq is not supported by DMA attention")

@@ -162,8 +162,9 @@ def from_pretrained(model_name_or_path, checkpoint_file: str = "model.pt", data_
     its name there (``a.pt:b.pt`` for an ensemble); DATA_NAME_OR_PATH: the data-bin (paths
     starting with "." are relative to the checkpoint's folder); TEXT_PIPELINE: ``"recorded"`` or
     ``"guessed"`` (without a record, the guesses of ``fairseq-modattn serve``)."""
-    import fairseq_modattn  # noqa: F401  (registers the models; the loading fixes of compat/)
     from fairseq import hub_utils
+
+    import fairseq_modattn  # noqa: F401  (registers the models; the loading fixes of compat/)
 
     if text_pipeline not in TEXT_PIPELINES:
         raise FromPretrainedError(f"text_pipeline must be one of {', '.join(TEXT_PIPELINES)}, got {text_pipeline!r}")

@@ -2,13 +2,13 @@
 
 from .attention_base import MultiheadAttentionBase
 from .dma_attention import DisentangledMaskAttention, annealing_rate
-from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .gmm import DiagonalGMM, GMMStatistics
 from .group_linear import GroupLayerNorm, GroupLinear
 from .group_recurrent_cells import GroupGRUCell, GroupLSTMCell
+from .interpolated_attention import interpolated_masked_attention, log_semantic_mask
 from .rim import RIMCell, RIMLayer, RIMState
-from .tim_layer import TIMDecoderLayer, TIMEncoderLayer
 from .talking_heads_attention import TalkingHeadsAttention, mix_heads
+from .tim_layer import TIMDecoderLayer, TIMEncoderLayer
 
 __all__ = [
     "DiagonalGMM",

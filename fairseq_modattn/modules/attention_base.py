@@ -51,7 +51,7 @@ Two more knobs for variants whose projections are not one dense matrix per head:
       ``GroupLinear``); ``reset_parameters`` calls ``init_projection`` on each.
 """
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -63,16 +63,23 @@ from .parameter_names import parameter_names
 from .precision import at_least_fp32
 
 
+def _cached(saved: Dict[str, Optional[Tensor]], name: str) -> Tensor:
+    """Entry NAME of an incremental cache, which holds it since the step that cached the keys."""
+    t = saved[name]
+    assert t is not None, f"incremental cache entry {name} is None"
+    return t
+
+
 def combine_padding_masks(
     prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int
 ) -> Optional[Tensor]:
     """Concatenate the cached and the new key padding masks along time (None = no padding)."""
-    if prev is None and new is None:
-        return None
-    if prev is None:
-        prev = new.new_zeros(bsz, prev_len)
     if new is None:
+        if prev is None:
+            return None
         new = prev.new_zeros(bsz, new_len)
+    elif prev is None:
+        prev = new.new_zeros(bsz, prev_len)
     return torch.cat([prev.bool(), new.bool()], dim=1)
 
 
@@ -132,6 +139,10 @@ class MultiheadAttentionBase(nn.Module):
 
     #: names of ``token_state`` entries that the incremental cache keeps for the key side
     cached_state_names: Tuple[str, ...] = ()
+    # added by @with_incremental_state (fairseq's FairseqIncrementalState); declared here because
+    # fairseq has no type information, so the checker cannot see the decorator's base class
+    get_incremental_state: Callable[..., Optional[Dict[str, Optional[Tensor]]]]
+    set_incremental_state: Callable[..., Optional[Dict[str, Dict[str, Optional[Tensor]]]]]
 
     def __init__(
         self,
@@ -182,7 +193,7 @@ class MultiheadAttentionBase(nn.Module):
 
     def init_projection(self, proj: nn.Module, gain: float):
         """Xavier-uniform weights with ``gain`` (fairseq's choice); ``proj`` from build_projection."""
-        nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(cast(Tensor, proj.weight), gain=gain)
 
     def reset_parameters(self):
         # Same initialisation as fairseq.modules.MultiheadAttention so that swapping the
@@ -191,8 +202,9 @@ class MultiheadAttentionBase(nn.Module):
         for proj in (self.k_proj, self.v_proj, self.q_proj):
             self.init_projection(proj, gain)
         self.init_projection(self.out_proj, 1.0)
-        if self.out_proj.bias is not None:
-            nn.init.constant_(self.out_proj.bias, 0.0)
+        out_bias = cast(Optional[Tensor], self.out_proj.bias)  # a projection's bias, if any
+        if out_bias is not None:
+            nn.init.constant_(out_bias, 0.0)
 
     # ----------------------------------------------------------------- variant hooks
     def token_state(self, x: Tensor) -> Dict[str, Tensor]:
@@ -263,6 +275,7 @@ class MultiheadAttentionBase(nn.Module):
         if key is not None and not self.self_attention and beams > 1 and key.size(1) == bsz:
             # SequenceGenerator repeats each sentence's encoder states for its beams: one copy
             # per sentence is projected, cached and attended to
+            assert value is not None  # fairseq passes keys and values together
             key, value = key[:, ::beams], value[:, ::beams]
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask[::beams]
@@ -284,22 +297,22 @@ class MultiheadAttentionBase(nn.Module):
         if incremental_state is not None:
             k_state = {name: k_state[name] for name in self.cached_state_names if name in k_state}
             if key is None:  # static_kv, reuse the cache as is
-                k, v = saved["prev_key"], saved["prev_value"]
+                k, v = _cached(saved, "prev_key"), _cached(saved, "prev_value")
                 k_state = {
-                    name: saved["prev_" + name] for name in self.cached_state_names if "prev_" + name in saved
+                    name: _cached(saved, "prev_" + name) for name in self.cached_state_names if "prev_" + name in saved
                 }
                 if saved.get("prev_key_padding_mask") is not None:
                     key_padding_mask = saved["prev_key_padding_mask"]
             else:
                 if saved.get("prev_key") is not None and not static_kv:
-                    prev_len = saved["prev_key"].size(2)
+                    prev_len = _cached(saved, "prev_key").size(2)
                     key_padding_mask = combine_padding_masks(
                         saved.get("prev_key_padding_mask"), key_padding_mask, bsz, prev_len, k.size(2)
                     )
-                    k = torch.cat([saved["prev_key"], k], dim=2)
-                    v = torch.cat([saved["prev_value"], v], dim=2)
+                    k = torch.cat([_cached(saved, "prev_key"), k], dim=2)
+                    v = torch.cat([_cached(saved, "prev_value"), v], dim=2)
                     k_state = {
-                        name: torch.cat([saved["prev_" + name], t], dim=2) for name, t in k_state.items()
+                        name: torch.cat([_cached(saved, "prev_" + name), t], dim=2) for name, t in k_state.items()
                     }
                 saved["prev_key"], saved["prev_value"] = k, v
                 saved["prev_key_padding_mask"] = key_padding_mask
@@ -352,14 +365,15 @@ class MultiheadAttentionBase(nn.Module):
     ) -> Tuple[Tensor, Tensor, Dict[str, Tensor], Optional[Tensor]]:
         """Repeat encoder states shared by the beams of a sentence (kv_bsz = bsz / beam) to bsz."""
 
-        def expand(t: Optional[Tensor]) -> Optional[Tensor]:
-            if t is None or t.dim() == 0 or t.size(0) == bsz:
+        def expand(t: Tensor) -> Tensor:
+            if t.dim() == 0 or t.size(0) == bsz:
                 return t
             if bsz % t.size(0) != 0:
                 raise ValueError(f"query batch {bsz} is not a multiple of key batch {t.size(0)}")
             return t.repeat_interleave(bsz // t.size(0), 0)
 
-        return expand(k), expand(v), {name: expand(t) for name, t in k_state.items()}, expand(key_padding_mask)
+        mask = None if key_padding_mask is None else expand(key_padding_mask)
+        return expand(k), expand(v), {name: expand(t) for name, t in k_state.items()}, mask
 
     # ----------------------------------------------------------------- the explicit path
     def attention_logits(self, q: Tensor, k: Tensor, mask: Optional[Tensor]) -> Tensor:

@@ -122,15 +122,15 @@ def check_dma_parameters(num_clusters: int, alpha: float, anneal_rate: float, no
                                        ("centroid_grad_mult", centroid_grad_mult, False)):
         if not math.isfinite(value) or value < 0.0 or (positive and value == 0.0):
             raise ValueError(f"{name[parameter]} must be a finite number {'>' if positive else '>='} 0, got {value}")
-    for parameter, value, choices in (
+    for parameter, choice, choices in (
         ("attention_impl", attention_impl, ATTENTION_IMPLS),
         ("sample_inputs", sample_inputs, SAMPLE_INPUTS),
         ("query_gmm_input", query_gmm_input, QUERY_GMM_INPUTS),
         ("qq_form", qq_form, QQ_FORMS),
         ("div_form", div_form, DIV_FORMS),
     ):
-        if value not in choices:
-            raise ValueError(f"{name[parameter]} must be one of {choices}, got {value!r}")
+        if choice not in choices:
+            raise ValueError(f"{name[parameter]} must be one of {choices}, got {choice!r}")
 
 
 class DisentangledMaskAttention(MultiheadAttentionBase):
@@ -187,7 +187,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
                              sample_inputs, query_gmm_input, qq_form, div_form)
         if self.kdim != embed_dim:
             # P^q and P^k come from the same token GMM, so both inputs need the same width.
-            raise ValueError(f"DMA attention needs key inputs as wide as queries: kdim ({self.kdim}) != embed_dim ({embed_dim})")
+            raise ValueError(
+                f"DMA attention needs key inputs as wide as queries: kdim ({self.kdim}) != embed_dim ({embed_dim})")
         self.num_clusters = num_clusters
         self.alpha = alpha
         self.anneal_rate = anneal_rate
@@ -423,5 +424,6 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, clusters={self.num_clusters}, "
             f"alpha={self.alpha}, anneal_rate={self.anneal_rate}, mask_at_inference={self.mask_at_inference}, "
-            f"sample_inputs={self.sample_inputs}, query_gmm_input={self.query_gmm_input}, qq_form={self.qq_form}, div_form={self.div_form}"
+            f"sample_inputs={self.sample_inputs}, query_gmm_input={self.query_gmm_input}, "
+            f"qq_form={self.qq_form}, div_form={self.div_form}"
         )

@@ -48,7 +48,7 @@ logged in one line and every DMA module runs eagerly from then on.
 import inspect
 import logging
 import math
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -384,7 +384,7 @@ def _compiled_math(cfg: MathConfig):
         if BACKEND is None:
             _State.compiled[cfg] = dma_math
         else:
-            isolate = {}
+            isolate: Dict[str, Any] = {}  # torch.compile keywords of newer torch releases
             if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
                 isolate = dict(isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
             _State.compiled[cfg] = torch.compile(dma_math, fullgraph=True, dynamic=True, backend=BACKEND, **isolate)
@@ -516,7 +516,8 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
         query_valid = None if query_padding_mask is None else ~query_padding
         negatives = sample_negatives(query_valid, bsz, tgt_len, query.device)
 
-    projections = tuple(t for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj) for t in (p.weight, p.bias))
+    projections = tuple(t for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj)
+                        for t in (p.weight, p.bias))
     gmms = tuple((g.logits, g.means, g.log_vars) for g in (module.token_gmm, module.query_gmm))
     args = (query, key, value, attn_mask, key_padding, query_padding, token_noise, key_token_noise, query_noise,
             negatives, _gamma_tensor(module.gamma, query.device), projections, *gmms, cfg)

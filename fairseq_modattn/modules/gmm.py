@@ -87,7 +87,8 @@ def group_major_points(x: Tensor, num_groups: int) -> Tuple[Tensor, Callable[[Te
             raise ValueError(f"expected {num_groups} groups on axis -3, got shape {tuple(x.shape)}")
         moved = x.movedim(-3, 0)
     # Leading point axes (all but the group axis and d), largest stride first.
-    point_axes = sorted(range(1, moved.dim() - 1), key=lambda a: -moved.stride(a))
+    strides = moved.stride()
+    point_axes = sorted(range(1, moved.dim() - 1), key=lambda a: -strides[a])
     order = [0] + point_axes + [moved.dim() - 1]
     ordered = moved.permute(order)
     flat = ordered.reshape(num_groups, -1, x.size(-1))

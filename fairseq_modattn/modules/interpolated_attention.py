@@ -29,8 +29,9 @@ per query (``_rescaled_posteriors``), which A~ ignores, so that each row of it r
 a block where some query still has Z < ``LOG_FORM_BELOW`` (the attention gives less than
 2^-60 to every key that shares its clusters) is computed in the log form instead,
 softmax(S + log max(M, tiny)). Softmax and mask math are fp32 whatever the input dtype;
-attention dropout drops entries of A^ (the paper's final weights). Both passes run over blocks of sentences (``blocking.py``) with the tables
-updated in place, so that a call holds two or three T x S tables of one block at a time.
+attention dropout drops entries of A^ (the paper's final weights). Both passes run over blocks of
+sentences (``blocking.py``) with the tables updated in place, so that a call holds two or three
+T x S tables of one block at a time.
 """
 
 from typing import Optional, Tuple
@@ -171,7 +172,9 @@ def _backward_block(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropou
     """Gradients of one block's A^ V with respect to q, k, v and the log posteriors, in the
     product form (module doc)."""
     dtype = post_q.dtype
-    weights, masked, inv_norm = _product_form(q, k, post_q, post_k, mask, scale, dtype)
+    tables = _product_form(q, k, post_q, post_k, mask, scale, dtype)
+    assert tables is not None  # the forward pass took the product form for this block
+    weights, masked, inv_norm = tables
     # dropout: G and A^ carry the 0/1 mask here, and its 1 / (1 - p) scales the (. x d) and
     # (. x C) results instead of the tables
     rescale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0

@@ -8,7 +8,7 @@ generator's state instead, as activation checkpointing does, and draws eps again
 asks for it: the same values, one more launch.
 """
 
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ class ReplayableNoise:
 
     def __init__(self):
         self._layouts: List[Tuple[torch.Size, Tuple[int, ...], torch.dtype, torch.device]] = []
-        self._state = None
+        self._state: Optional[Tensor] = None
 
     def draw(self, *like: Union[Tensor, Tuple[Sequence[int], torch.dtype, torch.device]]) -> List[Tensor]:
         if self._state is not None:
@@ -51,6 +51,8 @@ class ReplayableNoise:
 
     def replay(self) -> List[Tensor]:
         """The tensors ``draw`` returned, drawn again; the generator's state is left as it was."""
+        if self._state is None:
+            raise RuntimeError("ReplayableNoise.replay repeats a draw: call draw() first")
         device = self._layouts[0][3]
         cuda = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda, device_type=device.type):

@@ -51,7 +51,7 @@ failure to compile is logged once and the steps run eagerly.
 
 import inspect
 import logging
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -225,8 +225,7 @@ def _forward_step(shape: RecurrenceShape, h, c, real_t, mask_t, addend_t, diff_t
         torch.where(a, h_upd, h, out=out.h)
         return
     # communication: h_t = h_next + [active] W_o read(h_next)
-    dirs, n, hc, ck, cv = (shape.num_directions, shape.num_rims, shape.comm_heads, shape.comm_key_size,
-                           shape.comm_value_size)
+    dirs, n, hc, ck = shape.num_directions, shape.num_rims, shape.comm_heads, shape.comm_key_size
     h_next = torch.where(a, h_upd, h, out=out.h_next)
     qkv = torch.baddbmm(b_qkv, h_next, w_qkv, out=out.qkv)  # (m, B, 2ck + cv); q is pre-scaled
     q = qkv[..., :ck].view(dirs, n, 1, batch, hc, -1)
@@ -383,7 +382,7 @@ def _step_functions(compiled: bool):
         # dynamo specialises the storage offsets 0 and 1 of the step views (x[t] at t = 0, 1)
         # and compiles them apart: three graphs a configuration, more than its default
         # recompile limit allows once a model has several; each function gets its own limit
-        limits = {}
+        limits: Dict[str, Any] = {}  # torch.compile keywords of newer torch releases
         if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
             limits = dict(isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
         _Compiled.steps = tuple(

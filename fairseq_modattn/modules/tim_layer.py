@@ -244,7 +244,7 @@ class InterMechanismAttention(nn.Module):
         q, k, v = self.q_proj, self.k_proj, self.v_proj
         groups = tokens.transpose(0, 1)  # (n_s, N, d_m) @ (n_s, d_m, 3W): mechanism j's own block
         weight = torch.cat([q.weight, k.weight, v.weight], dim=-1)
-        if q.bias is None:
+        if q.bias is None or k.bias is None or v.bias is None:  # built together: all or none
             return torch.bmm(groups, weight)
         return torch.baddbmm(torch.cat([q.bias, k.bias, v.bias], dim=-1).unsqueeze(1), groups, weight)
 
@@ -321,6 +321,8 @@ class TIMLayerBase(nn.Module):
         #: competition of the last forward, detached, (B, T, n_s); None without competition
         self.last_competition: Optional[Tensor] = None
 
+        self.mechanism_attn: Optional[InterMechanismAttention]
+        self.mechanism_attn_layer_norm: Optional[GroupLayerNorm]
         if mechanism_attention:
             self.mechanism_attn = InterMechanismAttention(
                 d, mechanism_attention_heads, cfg.attention_dropout, num_mechanisms=n,
@@ -386,9 +388,10 @@ class TIMLayerBase(nn.Module):
 
     def communicate(self, x: Tensor) -> Tensor:
         """Step 3: residual inter-mechanism attention (identity when switched off)."""
-        if self.mechanism_attn is None:
+        attention, layer_norm = self.mechanism_attn, self.mechanism_attn_layer_norm
+        if attention is None or layer_norm is None:  # built together: both or neither
             return x
-        x, _, _ = self.attention_sublayer(x, self.mechanism_attn_layer_norm, lambda h: (self.mechanism_attn(h), None))
+        x, _, _ = self.attention_sublayer(x, layer_norm, lambda h: (attention(h), None))
         return x
 
     def feed_forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
@@ -499,6 +502,8 @@ class TIMDecoderLayer(TIMLayerBase):
         self.onnx_trace = False
 
     def build_cross_attention(self, cfg):
+        self.encoder_attn: Optional[MechanismAttention]
+        self.encoder_attn_layer_norm: Optional[GroupLayerNorm]
         if self.no_encoder_attn:
             self.encoder_attn = None
             self.encoder_attn_layer_norm = None
@@ -560,13 +565,14 @@ class TIMDecoderLayer(TIMLayerBase):
         )
 
         attn: Optional[Tensor] = None
-        if self.encoder_attn is not None and encoder_out is not None:
+        encoder_attn, encoder_attn_layer_norm = self.encoder_attn, self.encoder_attn_layer_norm
+        if encoder_attn is not None and encoder_attn_layer_norm is not None and encoder_out is not None:
             if prev_attn_state is not None:
-                self._restore_state(self.encoder_attn, incremental_state, prev_attn_state)
+                self._restore_state(encoder_attn, incremental_state, prev_attn_state)
             x, attn, _ = self.attention_sublayer(
                 x,
-                self.encoder_attn_layer_norm,
-                lambda h: self.encoder_attn(
+                encoder_attn_layer_norm,
+                lambda h: encoder_attn(
                     query=h, key=encoder_out, value=encoder_out, key_padding_mask=encoder_padding_mask,
                     incremental_state=incremental_state, static_kv=True,
                     need_weights=need_attn or (not self.training and self.need_attn),

@@ -76,7 +76,7 @@ def check_modattn_command(path: Path, argv):
     """Parse a ``fairseq-modattn`` line with the subcommand's own parser (argparse exits on an
     unknown flag); nothing is run."""
     from fairseq_modattn import data
-    from fairseq_modattn.cli import ablate, analyze, average, evaluate, quickstart, serve
+    from fairseq_modattn.cli import ablate, analyze, average, compare, evaluate, quickstart, serve
 
     command, rest = argv[0], argv[1:]
     own, extra = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
@@ -103,6 +103,8 @@ def check_modattn_command(path: Path, argv):
         quickstart.validate(args, extra)
     elif command == "serve":
         serve.parser().parse_args(own)
+    elif command == "compare":
+        compare.compare_parser().parse_args(own)
     else:
         pytest.fail(f"{path}: unexpected fairseq-modattn command {command}")
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real Multi30k corpus (from ../shared/data, or --shared-data PATH),
+"""Shared fixtures: the real Multi30k corpus (from ../shared/data, or --shared-data=PATH),
 cut to a few hundred lines, tokenised, BPE'd and binarised by the real fairseq-preprocess."""
 
 import gzip
@@ -97,7 +97,7 @@ def shared_corpus(pytestconfig, name: str, probe: str, what: str) -> Path:
     fails under --require-shared-data (so that CI cannot pass by skipping)."""
     path = Path(pytestconfig.getoption("--shared-data")) / name
     if not (path / probe).exists():
-        message = f"{what} not found at {path} (pass --shared-data PATH)"
+        message = f"{what} not found at {path} (pass --shared-data=PATH)"
         if pytestconfig.getoption("--require-shared-data"):
             pytest.fail(f"{message}; --require-shared-data makes this a failure", pytrace=False)
         pytest.skip(message)

@@ -16,9 +16,14 @@ import json
 import os
 import sys
 
+# Not sorted: fairseq_cli.train must come first, since importing it sets up fairseq-train's log
+# format, which an earlier `import fairseq` would pre-empt (sorted, rank 0 logged no train_inner lines).
+# isort: off
+from fairseq_cli.train import cli_main
+
 import torch
 from fairseq.trainer import Trainer
-from fairseq_cli.train import cli_main  # first: it sets up fairseq-train's log format
+# isort: on
 
 _aggregate = Trainer._aggregate_logging_outputs
 

@@ -17,7 +17,7 @@
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from . import AnalysisError
 
@@ -123,6 +123,32 @@ def tokenized_bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     return float(scorer.score(order=4))
 
 
+def metric_scorer(metric: str, tokenize: str = "13a", lowercase: bool = False) -> Any:
+    """sacreBLEU's scorer of METRIC ('bleu', 'chrf' or 'ter'), with its defaults but for
+    TOKENIZE (BLEU's tokenizer) and LOWERCASE (case-insensitive BLEU and chrF; sacreBLEU's
+    TER is case-insensitive already): the one place the package makes them, for its scores and
+    for the bootstrap of ``significance.py``."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
+
+    if metric == "bleu":
+        try:
+            return BLEU(tokenize=tokenize, lowercase=lowercase)
+        except Exception as e:  # sacreBLEU raises bare exceptions for an unknown tokenizer
+            raise AnalysisError(f"sacrebleu rejects tokenize={tokenize!r}: {e}") from e
+    if metric == "chrf":
+        return CHRF(lowercase=lowercase)
+    if metric == "ter":
+        return TER()
+    raise AnalysisError(f"unknown metric {metric!r}; choose from: bleu, chrf, ter")
+
+
+def _detok_score(scorer: Any, hyps: Sequence[str], refs: Sequence[str]) -> Tuple[float, str]:
+    """(corpus score, signature) of SCORER on detokenized hypotheses against one reference each."""
+    _check_pairs(hyps, refs)
+    score = scorer.corpus_score(list(hyps), [list(refs)])
+    return float(score.score), str(scorer.get_signature())
+
+
 def detok_sacrebleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a",
                     lowercase: bool = False) -> Tuple[float, str]:
     """(corpus sacreBLEU, its signature) of detokenized hypotheses against one reference each;
@@ -131,39 +157,21 @@ def detok_sacrebleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "1
     The signature (``nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:...``) is what
     makes a sacreBLEU number comparable, so it is always returned with the score.
     """
-    from sacrebleu.metrics import BLEU
-
-    _check_pairs(hyps, refs)
-    try:
-        metric = BLEU(tokenize=tokenize, lowercase=lowercase)
-    except Exception as e:
-        raise AnalysisError(f"sacrebleu rejects tokenize={tokenize!r}: {e}") from e
-    score = metric.corpus_score(list(hyps), [list(refs)])
-    return float(score.score), str(metric.get_signature())
+    return _detok_score(metric_scorer("bleu", tokenize, lowercase), hyps, refs)
 
 
 def detok_chrf(hyps: Sequence[str], refs: Sequence[str], lowercase: bool = False) -> Tuple[float, str]:
     """(corpus chrF, its signature) of detokenized hypotheses against one reference each:
     sacreBLEU's ``CHRF()`` defaults (character 6-grams, no word n-grams, beta 2), case-insensitive
     (``case:lc``) with LOWERCASE."""
-    from sacrebleu.metrics import CHRF
-
-    _check_pairs(hyps, refs)
-    metric = CHRF(lowercase=lowercase)
-    score = metric.corpus_score(list(hyps), [list(refs)])
-    return float(score.score), str(metric.get_signature())
+    return _detok_score(metric_scorer("chrf", lowercase=lowercase), hyps, refs)
 
 
 def detok_ter(hyps: Sequence[str], refs: Sequence[str]) -> Tuple[float, str]:
     """(corpus TER, its signature) of detokenized hypotheses against one reference each:
     sacreBLEU's ``TER()`` defaults, which are case-insensitive (``case:lc``) already. Lower is
     better: edits per reference word, in percent (can exceed 100)."""
-    from sacrebleu.metrics import TER
-
-    _check_pairs(hyps, refs)
-    metric = TER()
-    score = metric.corpus_score(list(hyps), [list(refs)])
-    return float(score.score), str(metric.get_signature())
+    return _detok_score(metric_scorer("ter"), hyps, refs)
 
 
 def _has_upper(line: str) -> bool:

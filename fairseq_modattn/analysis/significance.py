@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from . import AnalysisError
+from .scoring import metric_scorer
 
 #: sacreBLEU's default seed for its resampling (``SACREBLEU_SEED``), so the resamples are its own
 SACREBLEU_SEED = 12345
@@ -98,24 +99,6 @@ class MetricComparison:
                 "higher_is_better": HIGHER_IS_BETTER[self.metric], "scores": self.scores,
                 "seed_scores": self.seed_scores,
                 "comparisons": {name: c.as_dict() for name, c in self.comparisons.items()}}
-
-
-def metric_scorer(metric: str, tokenize: str = "13a", lowercase: bool = False) -> Any:
-    """sacreBLEU's scorer of METRIC ('bleu', 'chrf' or 'ter'), with its defaults but for
-    TOKENIZE (BLEU's tokenizer) and LOWERCASE (case-insensitive BLEU and chrF; sacreBLEU's
-    TER is case-insensitive already), as ``evaluate`` scores."""
-    from sacrebleu.metrics import BLEU, CHRF, TER
-
-    if metric == "bleu":
-        try:
-            return BLEU(tokenize=tokenize, lowercase=lowercase)
-        except Exception as e:  # sacreBLEU raises bare exceptions for an unknown tokenizer
-            raise AnalysisError(f"sacrebleu rejects tokenize={tokenize!r}: {e}") from e
-    if metric == "chrf":
-        return CHRF(lowercase=lowercase)
-    if metric == "ter":
-        return TER()
-    raise AnalysisError(f"unknown metric {metric!r}; choose from: {', '.join(METRICS)}")
 
 
 def _sentence_stats(scorer, runs: Sequence[Sequence[str]], references: Sequence[str]) -> List[np.ndarray]:

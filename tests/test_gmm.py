@@ -458,3 +458,47 @@ def test_gradcheck_gmm_sampled_point(need_kl):
         return (stats.log_joint, stats.log_post) + ((stats.kl,) if need_kl else ())
 
     assert torch.autograd.gradcheck(fn, (x,) + params)
+
+
+@pytest.mark.parametrize("need_kl", [True, False])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_gradcheck_gmm_given_point_read_elsewhere_too(need_kl, scale):
+    """A caller's sample z~ = x + (s / scale) eps that something else reads as well (DMA's
+    attention): the GMM returns dx + dz~ through x, and the total reaching x is still exact."""
+    gmm = random_gmm(3, 4, 2, seed=19)
+    x = torch.randn(3, 2, 8, dtype=DOUBLE, requires_grad=True)
+    eps = torch.randn(2, 2, 3, 4, dtype=DOUBLE, generator=torch.Generator().manual_seed(6))
+    reader = torch.randn(2, 2, 3, 4, dtype=DOUBLE, generator=torch.Generator().manual_seed(7))
+    params = tuple(p.detach().clone().requires_grad_() for p in (gmm.logits, gmm.means, gmm.log_vars))
+
+    def fn(inp, logits, means, log_vars):
+        heads = inp.view(3, 2, 2, 4).permute(1, 2, 0, 3)
+        point = torch.add(heads, eps, alpha=math.sqrt(0.3) / scale)
+        stats = torch.func.functional_call(
+            gmm, {"logits": logits, "means": means, "log_vars": log_vars}, (heads,),
+            {"need_kl": need_kl, "sample": True, "noise_var": 0.3, "point": point, "scale": scale},
+        )
+        return (stats.log_joint, stats.post, (point * reader).sum()) + ((stats.kl,) if need_kl else ())
+
+    assert torch.autograd.gradcheck(fn, (x,) + params)
+
+
+def test_gmm_point_without_gradient_sends_the_mean_its_own():
+    """Only x needs a gradient (the sample was made from a detached copy): x gets the KL's
+    gradient alone, as if z~ were a constant; reference: the VaDE KL written out with explicit
+    broadcasting, differentiated by autograd."""
+    gmm = random_gmm(3, 4, 1, seed=21)
+    x = torch.randn(5, 4, dtype=DOUBLE, requires_grad=True)
+    point = x.detach() + 0.5 * torch.randn(5, 4, dtype=DOUBLE)
+    s2 = 0.3
+    stats = gmm(x, s2, sample=True, need_kl=True, point=point)
+    (grad,) = torch.autograd.grad(stats.kl.sum() + stats.post.sum(), x)
+
+    post = naive_posterior(point.view(1, 1, 5, 4), gmm)[0, 0]  # (N, C), a constant for x
+    means, log_vars = gmm.means.detach()[0], gmm.log_vars.detach()[0]
+    log_pi = torch.log_softmax(gmm.logits.detach()[0], -1)
+    gauss = 0.5 * (log_vars - math.log(s2) + (s2 + (x.unsqueeze(1) - means) ** 2) / log_vars.exp() - 1.0).sum(-1)
+    kl = (post * (gauss + post.log() - log_pi)).sum(-1)
+    torch.testing.assert_close(stats.kl, kl.detach(), rtol=1e-10, atol=1e-10)
+    (expected,) = torch.autograd.grad(kl.sum(), x)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-10)

@@ -173,10 +173,18 @@ class _MixtureStatistics(torch.autograd.Function):
     summed over both points by matmuls. The backward keeps x, z and T (C values a point) and
     rebuilds z*z and x*x; the mean's gradient is multiplied by c_grad here (fairseq's
     ``GradMultiply``, folded in to save its two calls).
+
+    With ``point_follows_mean`` the caller states z = x + c eps with eps constant, so that
+    d z / d x = I and the loss's gradient reaches x as dx + dz whichever input carries dz: both
+    are then returned summed on x (and None for z), one (M, d) result instead of two and no
+    sum for autograd to take where z's other consumers meet x:
+
+        dx + dz = a (G^J' - G^KL P) (mu sigma^-2) - a^2 (G^J' sigma^-2) * z + a^2 (G^KL P sigma^-2) * x.
     """
 
     @staticmethod
-    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult, mean_of):
+    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult, mean_of,
+                point_follows_mean=False):
         # unused outputs give None gradients instead of zero tensors (each one a launch)
         ctx.set_materialize_grads(False)
         inv_var, scaled_means, log_norm = mixture_constants(logits, means, log_vars)
@@ -184,6 +192,7 @@ class _MixtureStatistics(torch.autograd.Function):
             x, point, scale, noise_var, need_kl, inv_var, scaled_means, log_norm
         )
         ctx.scale, ctx.noise_var, ctx.grad_mult, ctx.device_type = scale, noise_var, grad_mult, x.device.type
+        ctx.point_follows_mean = point_follows_mean
         # ``mean_of(point)`` rebuilds x in backward (from the replayed noise), so x is not kept
         ctx.mean_of = mean_of
         kept_mean = x if need_kl and mean_of is None else None
@@ -227,13 +236,22 @@ class _MixtureStatistics(torch.autograd.Function):
             if grad_joint is not None:
                 grad_j.add_(grad_joint)
         grad_x = grad_point = grad_logits = grad_means = grad_log_vars = None
-        if needs[1]:
-            # sum_c 2 dD_c(a z) (a^2 sigma_c^-2 * z - a mu_c sigma_c^-2)
-            grad_point = torch.bmm(grad_j, scaled_means).mul_(a)
-            grad_point.addcmul_(torch.bmm(grad_j, inv_var), point, value=-a * a)
-        if needs[0] and weighted_kl is not None:
-            grad_x = torch.bmm(weighted_kl, scaled_means).mul_(-a)
-            grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x, value=a * a)
+        unused = point.new_empty(())  # baddbmm's input under beta = 0: the product alone, scaled
+        if needs[0] and needs[1] and ctx.point_follows_mean:
+            # dx + dz in one (M, d) result (class docstring)
+            towards_means = grad_j if weighted_kl is None else grad_j - weighted_kl
+            grad_x = torch.baddbmm(unused, towards_means, scaled_means, beta=0.0, alpha=a)
+            grad_x.addcmul_(torch.bmm(grad_j, inv_var), point, value=-a * a)
+            if weighted_kl is not None:
+                grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x, value=a * a)
+        else:
+            if needs[1]:
+                # sum_c 2 dD_c(a z) (a^2 sigma_c^-2 * z - a mu_c sigma_c^-2)
+                grad_point = torch.baddbmm(unused, grad_j, scaled_means, beta=0.0, alpha=a)
+                grad_point.addcmul_(torch.bmm(grad_j, inv_var), point, value=-a * a)
+            if needs[0] and weighted_kl is not None:
+                grad_x = torch.baddbmm(unused, weighted_kl, scaled_means, beta=0.0, alpha=-a)
+                grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x, value=a * a)
         # the column sums of 2 dD over both points: -d log pi and 2 d(sum_d log sigma^2)
         weight = grad_j.sum(1).neg_() if weighted_kl is None else (weighted_kl - grad_j).sum(1)  # (G, C)
         if needs[2]:
@@ -241,7 +259,7 @@ class _MixtureStatistics(torch.autograd.Function):
             grad_logits = torch.ops.aten._log_softmax_backward_data(weight, log_pi, -1, weight.dtype).neg_()
         if needs[3] or needs[4]:
             # first = sum_i 2 dD_ic u_i over both points (u = a z, a x)
-            first = torch.baddbmm(point.new_empty(()), grad_j.transpose(1, 2), point, beta=0.0, alpha=-a)
+            first = torch.baddbmm(unused, grad_j.transpose(1, 2), point, beta=0.0, alpha=-a)
             if weighted_kl is not None:
                 first.baddbmm_(weighted_kl.transpose(1, 2), x, alpha=a)
             weight3 = weight.unsqueeze(-1)
@@ -251,14 +269,14 @@ class _MixtureStatistics(torch.autograd.Function):
             if needs[4]:
                 # 2 d sigma^-2 = sum_i 2 dD (u_i - mu)^2 = second - 2 mu first + mu^2 weight, plus the
                 # trace's s^2 sum_i G^KL P; d log sigma^2 = weight / 2 - sigma^-2 (d sigma^-2)
-                second = torch.baddbmm(point.new_empty(()), grad_j.transpose(1, 2), point * point,
+                second = torch.baddbmm(unused, grad_j.transpose(1, 2), point * point,
                                        beta=0.0, alpha=-a * a)
                 if weighted_kl is not None:
                     second.baddbmm_(weighted_kl.transpose(1, 2), x * x, alpha=a * a)
                     second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=ctx.noise_var)
                 second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
                 grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
-        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None
+        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None, None
 
 
 def _mean_rebuilder(
@@ -352,7 +370,9 @@ class DiagonalGMM(nn.Module):
         itself, which is then kept for backward without a copy (the points are in the
         mixture's space divided by ``scale``: z~ = x + (s / scale) eps); by default eps is drawn
         here. With ``point``, ``noise_replay`` (optional) returns eps again in backward, which
-        then rebuilds the mean x = z~ - (s / scale) eps instead of keeping it.
+        then rebuilds the mean x = z~ - (s / scale) eps instead of keeping it. A ``point`` must
+        be that sample of x, with eps constant: the GMM's gradient for z~ is returned through x
+        (d z~ / d x = I), so z~ itself receives none from here.
         """
         for name, t in (("noise", noise), ("point", point)):
             if t is not None and t.shape != x.shape:
@@ -380,8 +400,9 @@ class DiagonalGMM(nn.Module):
                 mean_of = None
                 if noise_replay is not None and point is not None and sampled is not points:
                     mean_of = _mean_rebuilder(noise_replay, math.sqrt(noise_var) / scale, restore, self.num_groups)
+                # every sampled point here is x + (s / scale) eps (docstring): its gradient goes to x
                 log_joint, log_post, post, kl = _MixtureStatistics.apply(
-                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult, mean_of
+                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult, mean_of, True
                 )
             else:
                 log_joint, log_post, post, kl, _ = mixture_statistics(

@@ -70,10 +70,11 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
             log_form = []
             for block in blocks:
                 args = (q[block], k[block], v[block], post_q[block], post_k[block], _batch_slice(mask, block),
-                        gamma, dropout_p, scale, dtype, None if keep is None else keep[block])
-                result = _forward_block(*args)
-                log_form.append(result is None)
-                out[block] = _forward_block_log(*args) if result is None else result
+                        gamma, dropout_p, scale, dtype, None if keep is None else keep[block], out[block])
+                written = _forward_block(*args)
+                log_form.append(not written)
+                if not written:
+                    _forward_block_log(*args)
             ctx.gamma, ctx.dropout_p, ctx.scale, ctx.blocks = gamma, dropout_p, scale, blocks
             ctx.log_form = log_form
             ctx.save_for_backward(q, k, v, post_q, post_k, mask, keep)
@@ -87,14 +88,12 @@ class _InterpolatedMaskedAttention(torch.autograd.Function):
             grads = [torch.empty_like(t) if needs[i] else None for i, t in enumerate((q, k, v, post_q, post_k))]
             for block, log_form in zip(ctx.blocks, ctx.log_form):
                 block_backward = _backward_block_log if log_form else _backward_block
-                block_grads = block_backward(
+                # each block's gradients are written into their rows of the full ones
+                block_backward(
                     q[block], k[block], v[block], post_q[block], post_k[block], _batch_slice(mask, block),
                     None if keep is None else keep[block], grad_out[block], ctx.gamma, ctx.dropout_p, ctx.scale,
-                    needs[:5],
+                    [None if g is None else g[block] for g in grads],
                 )
-                for full, part in zip(grads, block_grads):
-                    if full is not None:
-                        full[block] = part
             return (*grads, None, None, None)
 
 
@@ -141,22 +140,24 @@ def _product_form(q, k, post_q, post_k, mask, scale, dtype) -> Optional[Tuple[Te
     return weights, masked, norm.reciprocal_()
 
 
-def _forward_block(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype, keep) -> Optional[Tensor]:
-    """A^ V for one block of sentences in the product form (module doc), filling ``keep`` (the
-    dropout mask) when given; None, having drawn nothing, where the block needs the log form."""
+def _forward_block(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype, keep, out) -> bool:
+    """A^ V for one block of sentences in the product form (module doc) into ``out``, filling
+    ``keep`` (the dropout mask) when given; False, having drawn nothing, where the block needs
+    the log form."""
     tables = _product_form(q, k, post_q, post_k, mask, scale, dtype)
     if tables is None:
-        return None
+        return False
     weights, masked, inv_norm = tables
     # A^ = (1 - gamma) A + gamma N / Z, in A's buffer
     mixed = weights.mul_(1.0 - gamma).addcmul_(masked, inv_norm, value=gamma)
     del masked
     if keep is not None:
         _drop_(mixed, keep, dropout_p)
-    return torch.matmul(mixed.to(v.dtype), v)
+    torch.matmul(mixed.to(v.dtype), v, out=out)
+    return True
 
 
-def _forward_block_log(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype, keep):
+def _forward_block_log(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, dtype, keep, out):
     """``_forward_block`` in the log form, A~ = softmax(S + log max(M, tiny))."""
     logits = _logits(q, k, mask, scale, dtype)
     # two T x S tables in all: A~ is built in M's buffer, A and then A^ in the logits'
@@ -165,12 +166,15 @@ def _forward_block_log(q, k, v, post_q, post_k, mask, gamma, dropout_p, scale, d
     del masked
     if keep is not None:
         _drop_(mixed, keep, dropout_p)
-    return torch.matmul(mixed.to(v.dtype), v)
+    torch.matmul(mixed.to(v.dtype), v, out=out)
 
 
-def _backward_block(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropout_p, scale, needs):
+def _backward_block(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropout_p, scale, outs):
     """Gradients of one block's A^ V with respect to q, k, v and the log posteriors, in the
-    product form (module doc)."""
+    product form (module doc), written into ``outs`` (None: not needed). Writing each final
+    product into the full gradient's rows saves copying it there (a (T x d) or (T x C) result
+    a block, on the CPU's several blocks a call)."""
+    grad_q, grad_k, grad_v, grad_log_q, grad_log_k = outs
     dtype = post_q.dtype
     tables = _product_form(q, k, post_q, post_k, mask, scale, dtype)
     assert tables is not None  # the forward pass took the product form for this block
@@ -179,13 +183,12 @@ def _backward_block(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropou
     # (. x C) results instead of the tables
     rescale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
     buffer = torch.mul(weights, 1.0 - gamma)
-    grad_q = grad_k = grad_v = grad_log_q = grad_log_k = None
 
-    if needs[2]:
+    if grad_v is not None:
         mixed = buffer.addcmul_(masked, inv_norm, value=gamma)
         if keep is not None:
             mixed.mul_(keep)
-        grad_v = torch.matmul(mixed.to(v.dtype).transpose(-1, -2), grad_out).mul_(rescale)
+        torch.matmul(mixed.to(v.dtype).transpose(-1, -2), grad_out, out=grad_v).mul_(rescale)
     grad_mixed = torch.matmul(grad_out, v.transpose(-1, -2)).to(dtype)
     if keep is not None:
         grad_mixed.mul_(keep)
@@ -201,40 +204,39 @@ def _backward_block(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropou
     grad_logits.add_(attended, alpha=1.0 - gamma).addcmul_(weights, shift, value=1.0 - gamma)
     del weights
 
-    if needs[0]:
-        grad_q = torch.matmul(grad_logits.to(k.dtype), k).mul_(scale * rescale)
-    if needs[1]:
-        grad_k = torch.matmul(grad_logits.to(q.dtype).transpose(-1, -2), q).mul_(scale * rescale)
+    if grad_q is not None:
+        torch.matmul(grad_logits.to(k.dtype), k, out=grad_q).mul_(scale * rescale)
+    if grad_k is not None:
+        torch.matmul(grad_logits.to(q.dtype).transpose(-1, -2), q, out=grad_k).mul_(scale * rescale)
     del grad_logits
 
     # d log P^q = P^q * (dM P^k), d log P^k = P^k * (dM^T P^q). Each product is taken as its
     # transpose, (C x S)(S x T) and (C x T)(T x S): torch's CPU matmul of a T x S table with a
     # (S x C) matrix is 4-7x slower than with the table on the right (measured, C = 8)
     row_scale = inv_norm * (gamma * rescale)
-    if needs[3]:
-        grad_log_q = torch.matmul(post_k.transpose(-1, -2), attended.transpose(-1, -2)).transpose(-1, -2)
-        grad_log_q = grad_log_q.mul(row_scale).mul_(post_q)
-    if needs[4]:
+    if grad_log_q is not None:
+        product = torch.matmul(post_k.transpose(-1, -2), attended.transpose(-1, -2)).transpose(-1, -2)
+        torch.mul(product, row_scale, out=grad_log_q).mul_(post_q)
+    if grad_log_k is not None:
         scaled_q = (post_q * row_scale).transpose(-1, -2)
-        grad_log_k = torch.matmul(scaled_q, attended).transpose(-1, -2).mul(post_k)
-    return grad_q, grad_k, grad_v, grad_log_q, grad_log_k
+        torch.mul(torch.matmul(scaled_q, attended).transpose(-1, -2), post_k, out=grad_log_k)
 
 
-def _backward_block_log(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropout_p, scale, needs):
+def _backward_block_log(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dropout_p, scale, outs):
     """``_backward_block`` in the log form (``_forward_block_log``)."""
+    grad_q, grad_k, grad_v, grad_log_q, grad_log_k = outs
     dtype = post_q.dtype
     logits = _logits(q, k, mask, scale, dtype)
     inner = torch.matmul(post_q, post_k.transpose(-1, -2))  # M, kept for d log M / dM
     masked = _softmax_(inner.clamp_min(torch.finfo(dtype).tiny).log_().add_(logits))
     weights = _softmax_(logits)
     del logits
-    grad_q = grad_k = grad_v = grad_log_q = grad_log_k = None
 
-    if needs[2]:
+    if grad_v is not None:
         mixed = torch.lerp(weights, masked, gamma)
         if keep is not None:
             mixed.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
-        grad_v = torch.matmul(mixed.to(v.dtype).transpose(-1, -2), grad_out)
+        torch.matmul(mixed.to(v.dtype).transpose(-1, -2), grad_out, out=grad_v)
         del mixed
     grad_mixed = torch.matmul(grad_out, v.transpose(-1, -2)).to(dtype)
     if keep is not None:
@@ -249,21 +251,20 @@ def _backward_block_log(q, k, v, post_q, post_k, mask, keep, grad_out, gamma, dr
     del centred
     grad_logits.mul_(1.0 - gamma).add_(grad_biased).mul_(scale)
 
-    if needs[0]:
-        grad_q = torch.matmul(grad_logits.to(k.dtype), k)
-    if needs[1]:
-        grad_k = torch.matmul(grad_logits.to(q.dtype).transpose(-1, -2), q)
+    if grad_q is not None:
+        torch.matmul(grad_logits.to(k.dtype), k, out=grad_q)
+    if grad_k is not None:
+        torch.matmul(grad_logits.to(q.dtype).transpose(-1, -2), q, out=grad_k)
     del grad_logits
 
-    if needs[3] or needs[4]:
+    if grad_log_q is not None or grad_log_k is not None:
         # d log M / dM = 1 / M; zero where the forward clamped M
         grad_inner = grad_biased.div_(inner).masked_fill_(inner < torch.finfo(dtype).tiny, 0.0)
         del inner
-        if needs[3]:
-            grad_log_q = torch.matmul(grad_inner, post_k).mul_(post_q)
-        if needs[4]:
-            grad_log_k = torch.matmul(grad_inner.transpose(-1, -2), post_q).mul_(post_k)
-    return grad_q, grad_k, grad_v, grad_log_q, grad_log_k
+        if grad_log_q is not None:
+            torch.matmul(grad_inner, post_k, out=grad_log_q).mul_(post_q)
+        if grad_log_k is not None:
+            torch.matmul(grad_inner.transpose(-1, -2), post_q, out=grad_log_k).mul_(post_k)
 
 
 def log_semantic_mask(log_pq: Tensor, log_pk: Tensor) -> Tensor:

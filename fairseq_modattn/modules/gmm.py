@@ -175,17 +175,16 @@ class _MixtureStatistics(torch.autograd.Function):
     rebuilds z*z and x*x; the mean's gradient is multiplied by c_grad here (fairseq's
     ``GradMultiply``, folded in to save its two calls).
 
-    With ``point_follows_mean`` the caller states z = x + c eps with eps constant, so that
-    d z / d x = I and the loss's gradient reaches x as dx + dz whichever input carries dz: both
-    are then returned summed on x (and None for z), one (M, d) result instead of two and no
-    sum for autograd to take where z's other consumers meet x:
+    The caller's z is x + c eps with eps constant (``DiagonalGMM.forward``'s contract), so
+    d z / d x = I and the loss's gradient reaches x as dx + dz whichever input carries dz: where
+    both need one they are returned summed on x (and None for z), one (M, d) result instead of
+    two and no sum for autograd to take where z's other consumers meet x:
 
         dx + dz = a (G^J' - G^KL P) (mu sigma^-2) - a^2 (G^J' sigma^-2) * z + a^2 (G^KL P sigma^-2) * x.
     """
 
     @staticmethod
-    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult, mean_of,
-                point_follows_mean=False):
+    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult, mean_of):
         # unused outputs give None gradients instead of zero tensors (each one a launch)
         ctx.set_materialize_grads(False)
         inv_var, scaled_means, log_norm = mixture_constants(logits, means, log_vars)
@@ -193,7 +192,6 @@ class _MixtureStatistics(torch.autograd.Function):
             x, point, scale, noise_var, need_kl, inv_var, scaled_means, log_norm
         )
         ctx.scale, ctx.noise_var, ctx.grad_mult, ctx.device_type = scale, noise_var, grad_mult, x.device.type
-        ctx.point_follows_mean = point_follows_mean
         # ``mean_of(point)`` rebuilds x in backward (from the replayed noise), so x is not kept
         ctx.mean_of = mean_of
         kept_mean = x if need_kl and mean_of is None else None
@@ -238,7 +236,7 @@ class _MixtureStatistics(torch.autograd.Function):
                 grad_j.add_(grad_joint)
         grad_x = grad_point = grad_logits = grad_means = grad_log_vars = None
         unused = point.new_empty(())  # baddbmm's input under beta = 0: the product alone, scaled
-        if needs[0] and needs[1] and ctx.point_follows_mean:
+        if needs[0] and needs[1]:
             # dx + dz in one (M, d) result (class docstring)
             towards_means = grad_j if weighted_kl is None else grad_j - weighted_kl
             grad_x = torch.baddbmm(unused, towards_means, scaled_means, beta=0.0, alpha=a)
@@ -277,7 +275,7 @@ class _MixtureStatistics(torch.autograd.Function):
                     second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=ctx.noise_var)
                 second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
                 grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
-        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None, None
+        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None
 
 
 def _mean_rebuilder(
@@ -401,9 +399,8 @@ class DiagonalGMM(nn.Module):
                 mean_of = None
                 if noise_replay is not None and point is not None and sampled is not points:
                     mean_of = _mean_rebuilder(noise_replay, math.sqrt(noise_var) / scale, restore, self.num_groups)
-                # every sampled point here is x + (s / scale) eps (docstring): its gradient goes to x
                 log_joint, log_post, post, kl = _MixtureStatistics.apply(
-                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult, mean_of, True
+                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult, mean_of
                 )
             else:
                 log_joint, log_post, post, kl, _ = mixture_statistics(

@@ -65,8 +65,9 @@ def standard_normal_(t: Tensor) -> Tensor:
     those ``t.normal_()`` would give.
     """
     numel = t.numel()
-    ordered = _in_memory_order(t) if numel >= PARALLEL_DRAW_MIN else None
-    if path_device(t) != "cpu" or t.device.type != "cpu" or ordered is None:
+    on_cpu = path_device(t) == "cpu" and t.device.type == "cpu"
+    ordered = _in_memory_order(t) if on_cpu and numel >= PARALLEL_DRAW_MIN else None
+    if ordered is None:
         return t.normal_()
     flat = ordered.view(-1)
     starts = range(0, numel, CHUNK)

@@ -502,3 +502,70 @@ def test_gmm_point_without_gradient_sends_the_mean_its_own():
     torch.testing.assert_close(stats.kl, kl.detach(), rtol=1e-10, atol=1e-10)
     (expected,) = torch.autograd.grad(kl.sum(), x)
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["shared point", "own draw", "detached point", "detached mean", "replayed mean"])
+@pytest.mark.parametrize("need_kl", [True, False])
+def test_point_blocks_give_the_values_and_gradients_of_one_block(monkeypatch, case, need_kl):
+    """On the CPU the passes over the points run block by block (``blocking.point_blocks``):
+    with blocks of 3 points (and a shorter last one) every output and every gradient equals the
+    one-block computation, for each set of inputs that needs a gradient."""
+    from fairseq_modattn.modules import blocking
+
+    def run(block_elements):
+        monkeypatch.setattr(blocking, "POINT_BLOCK_ELEMENTS", block_elements)
+        gmm = random_gmm(3, 4, 2, seed=23)
+        base = torch.randn(5, 2, 8, dtype=DOUBLE, generator=torch.Generator().manual_seed(8))
+        eps = torch.randn(5, 2, 8, dtype=DOUBLE, generator=torch.Generator().manual_seed(9))
+        x = base.clone().requires_grad_(case != "detached mean")
+        heads = x.view(5, 2, 2, 4).permute(1, 2, 0, 3)
+        kwargs = {"need_kl": need_kl, "sample": True, "noise_var": 0.3, "scale": 0.5}
+        sampled = None
+        if case == "own draw":
+            torch.manual_seed(5)
+        else:
+            source = x.detach() if case == "detached point" else x
+            sampled = torch.add(source, eps, alpha=math.sqrt(0.3) / 0.5)
+            if case == "detached mean":
+                sampled.requires_grad_()
+            kwargs["point"] = sampled.view(5, 2, 2, 4).permute(1, 2, 0, 3)
+            if case == "replayed mean":
+                kwargs["noise_replay"] = lambda: eps.view(5, 2, 2, 4).permute(1, 2, 0, 3)
+        stats = gmm(heads, **kwargs)
+        outputs = [stats.log_joint, stats.log_post, stats.post] + ([stats.kl] if need_kl else [])
+        loss = sum((o * torch.linspace(-1, 2, o.numel(), dtype=DOUBLE).view_as(o)).sum() for o in outputs)
+        leaves = [t for t in (x, sampled, gmm.logits, gmm.means, gmm.log_vars)
+                  if t is not None and t.requires_grad and (t is not sampled or case == "detached mean")]
+        return [o.detach() for o in outputs], torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    blocked_outputs, blocked_grads = run(3 * 8)  # 3 points of 2 groups x 4 values a block
+    assert len(blocking.point_blocks(10, 8)) == 4  # the 5 x 2 points of each group: 3, 3, 3, 1
+    outputs, grads = run(1 << 30)
+    for got, expected in zip(blocked_outputs + list(blocked_grads), outputs + list(grads)):
+        if expected is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_gmm_in_point_blocks(monkeypatch):
+    """The blocked backward against finite differences, a sample that something else reads too."""
+    from fairseq_modattn.modules import blocking
+
+    monkeypatch.setattr(blocking, "POINT_BLOCK_ELEMENTS", 2 * 8)
+    gmm = random_gmm(3, 4, 2, seed=25)
+    x = torch.randn(5, 1, 8, dtype=DOUBLE, requires_grad=True)
+    eps = torch.randn(1, 2, 5, 4, dtype=DOUBLE, generator=torch.Generator().manual_seed(10))
+    params = tuple(p.detach().clone().requires_grad_() for p in (gmm.logits, gmm.means, gmm.log_vars))
+
+    def fn(inp, logits, means, log_vars):
+        heads = inp.view(5, 1, 2, 4).permute(1, 2, 0, 3)
+        point = torch.add(heads, eps, alpha=math.sqrt(0.3))
+        stats = torch.func.functional_call(
+            gmm, {"logits": logits, "means": means, "log_vars": log_vars}, (heads,),
+            {"need_kl": True, "sample": True, "noise_var": 0.3, "point": point},
+        )
+        return stats.log_joint, stats.post, stats.kl, (point * point).sum()
+
+    assert len(blocking.point_blocks(5, 8)) == 3
+    assert torch.autograd.gradcheck(fn, (x,) + params)

@@ -30,12 +30,13 @@ group axis third from the end (G may broadcast against 1).
 """
 
 import math
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from . import blocking
 from .device_paths import path_device
 from .noise import standard_normal
 from .precision import at_least_fp32
@@ -125,22 +126,40 @@ def mixture_statistics(
     log_norm: Tensor,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """J, LP, P, KL and T + d log(2 pi) / 2 of ``_MixtureStatistics`` (whose docstring gives the
-    equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own."""
-    log_joint = torch.baddbmm(log_norm, point * point, inv_var.transpose(1, 2), alpha=-0.5 * scale * scale)
-    log_joint.baddbmm_(point, scaled_means.transpose(1, 2), alpha=scale)
-    log_post = log_softmax_over_clusters(log_joint)
-    post = log_post.exp()
-    kl = terms = None
+    equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own. The
+    passes over the points run block by block on the CPU (``blocking.point_blocks``)."""
+    groups, num_points, dim = point.shape
+    offset = None
     if need_kl:
         # T + d log(2 pi) / 2 = -(log N_c - s^2 tr_c / 2) + D'(a x) / 2 + LP, D' = D - sum_d mu^2 / sigma^2;
         # the constant leaves the KL once, as sum_c P = 1
         trace = inv_var.sum(-1).unsqueeze(-2)
         offset = torch.add(log_norm, trace, alpha=-0.5 * noise_var)
-        terms = torch.baddbmm(offset, x * x, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5 * scale * scale)
-        terms.baddbmm_(x, scaled_means.transpose(1, 2), alpha=-scale).add_(log_post)
-        dim = x.size(-1)
+    # each block's (G, m, C) results are new tensors, joined after the loop: written into a slice
+    # of the whole, torch's CPU baddbmm would run group by group
+    joints, all_terms = [], []
+    for block in blocking.point_blocks(num_points, groups * dim, path_device(point)):
+        sampled = point[:, block]
+        joint = torch.baddbmm(log_norm, sampled * sampled, inv_var.transpose(1, 2), alpha=-0.5 * scale * scale)
+        joints.append(joint.baddbmm_(sampled, scaled_means.transpose(1, 2), alpha=scale))
+        if offset is not None:
+            mean = x[:, block]
+            term = torch.baddbmm(offset, mean * mean, inv_var.transpose(1, 2), beta=-1.0, alpha=0.5 * scale * scale)
+            all_terms.append(term.baddbmm_(mean, scaled_means.transpose(1, 2), alpha=-scale))
+    log_joint = _joined(joints)
+    terms = _joined(all_terms) if offset is not None else None
+    log_post = log_softmax_over_clusters(log_joint)
+    post = log_post.exp()
+    kl = None
+    if terms is not None:
+        terms.add_(log_post)
         kl = (post * terms).sum(-1).sub_(0.5 * dim * (LOG_2PI + 1.0 + math.log(noise_var)))
     return log_joint, log_post, post, kl, terms
+
+
+def _joined(blocks: List[Tensor]) -> Tensor:
+    """The (G, m, k) results of the point blocks as one (G, M, k) tensor (no copy for one block)."""
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
 
 
 class _MixtureStatistics(torch.autograd.Function):
@@ -173,7 +192,9 @@ class _MixtureStatistics(torch.autograd.Function):
 
     summed over both points by matmuls. The backward keeps x, z and T (C values a point) and
     rebuilds z*z and x*x; the mean's gradient is multiplied by c_grad here (fairseq's
-    ``GradMultiply``, folded in to save its two calls).
+    ``GradMultiply``, folded in to save its two calls). Forward and backward pass over the points
+    block by block on the CPU (``blocking.point_blocks``), so that all but a block's first pass
+    read the cache; the point gradients are laid out like the points.
 
     The caller's z is x + c eps with eps constant (``DiagonalGMM.forward``'s contract), so
     d z / d x = I and the loss's gradient reaches x as dx + dz whichever input carries dz: where
@@ -235,47 +256,75 @@ class _MixtureStatistics(torch.autograd.Function):
             if grad_joint is not None:
                 grad_j.add_(grad_joint)
         grad_x = grad_point = grad_logits = grad_means = grad_log_vars = None
-        unused = point.new_empty(())  # baddbmm's input under beta = 0: the product alone, scaled
-        if needs[0] and needs[1]:
-            # dx + dz in one (M, d) result (class docstring)
-            towards_means = grad_j if weighted_kl is None else grad_j - weighted_kl
-            grad_x = torch.baddbmm(unused, towards_means, scaled_means, beta=0.0, alpha=a)
-            grad_x.addcmul_(torch.bmm(grad_j, inv_var), point, value=-a * a)
-            if weighted_kl is not None:
-                grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x, value=a * a)
-        else:
-            if needs[1]:
-                # sum_c 2 dD_c(a z) (a^2 sigma_c^-2 * z - a mu_c sigma_c^-2)
-                grad_point = torch.baddbmm(unused, grad_j, scaled_means, beta=0.0, alpha=a)
-                grad_point.addcmul_(torch.bmm(grad_j, inv_var), point, value=-a * a)
-            if needs[0] and weighted_kl is not None:
-                grad_x = torch.baddbmm(unused, weighted_kl, scaled_means, beta=0.0, alpha=-a)
-                grad_x.addcmul_(torch.bmm(weighted_kl, inv_var), x, value=a * a)
         # the column sums of 2 dD over both points: -d log pi and 2 d(sum_d log sigma^2)
         weight = grad_j.sum(1).neg_() if weighted_kl is None else (weighted_kl - grad_j).sum(1)  # (G, C)
         if needs[2]:
             log_pi = torch.log_softmax(logits, dim=-1)
             grad_logits = torch.ops.aten._log_softmax_backward_data(weight, log_pi, -1, weight.dtype).neg_()
-        if needs[3] or needs[4]:
-            # first = sum_i 2 dD_ic u_i over both points (u = a z, a x)
-            first = torch.baddbmm(unused, grad_j.transpose(1, 2), point, beta=0.0, alpha=-a)
-            if weighted_kl is not None:
-                first.baddbmm_(weighted_kl.transpose(1, 2), x, alpha=a)
+        # Each point gradient is +-a T (mu sigma^-2) - a^2 (G^z sigma^-2) * z + a^2 (G^x sigma^-2) * x
+        # (``_point_gradient``): (the result, T, +-a, [(G^., the points, -1 | +1)]). dx + dz is one
+        # result where both are needed (class docstring). Results are laid out like the points, so
+        # that they reach the caller's activation as a view.
+        sampled_terms = [(grad_j, point, -1.0)]
+        mean_terms = [] if weighted_kl is None else [(weighted_kl, x, 1.0)]
+        targets = []
+        if needs[0] and needs[1]:
+            grad_x = torch.empty_like(point)
+            targets.append((grad_x, grad_j if weighted_kl is None else grad_j - weighted_kl, a,
+                            sampled_terms + mean_terms))
+        else:
+            if needs[1]:
+                grad_point = torch.empty_like(point)
+                targets.append((grad_point, grad_j, a, sampled_terms))
+            if needs[0] and weighted_kl is not None:
+                grad_x = torch.empty_like(point)
+                targets.append((grad_x, weighted_kl, -a, mean_terms))
+        # first = sum_i 2 dD_ic u_i and second = sum_i 2 dD_ic u_i^2 over both points (u = a z, a x)
+        moments = sampled_terms + mean_terms if needs[3] or needs[4] else []
+        first = second = None
+        groups, num_points, _ = point.shape
+        for block in blocking.point_blocks(num_points, groups * dim, path_device(point)):
+            for result, towards_means, alpha, terms in targets:
+                _point_gradient(towards_means[:, block], alpha, [(g[:, block], p[:, block], v) for g, p, v in terms],
+                                a, inv_var, scaled_means, result[:, block])
+            for grad, points, sign in moments:
+                g_t, u = grad[:, block].transpose(1, 2), points[:, block]
+                first = _accumulate_product(first, g_t, u, sign * a)
+                if needs[4]:
+                    second = _accumulate_product(second, g_t, u * u, sign * a * a)
+        if first is not None:
             weight3 = weight.unsqueeze(-1)
             if needs[3]:
                 # dmu = -2 sigma^-2 sum_i dD (u_i - mu) = sigma^-2 (mu weight - first), times c_grad
                 grad_means = torch.addcmul(first, means, weight3, value=-1.0).mul_(inv_var).mul_(-ctx.grad_mult)
-            if needs[4]:
+            if second is not None:
                 # 2 d sigma^-2 = sum_i 2 dD (u_i - mu)^2 = second - 2 mu first + mu^2 weight, plus the
                 # trace's s^2 sum_i G^KL P; d log sigma^2 = weight / 2 - sigma^-2 (d sigma^-2)
-                second = torch.baddbmm(unused, grad_j.transpose(1, 2), point * point,
-                                       beta=0.0, alpha=-a * a)
                 if weighted_kl is not None:
-                    second.baddbmm_(weighted_kl.transpose(1, 2), x * x, alpha=a * a)
                     second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=ctx.noise_var)
                 second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
                 grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
         return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None
+
+
+def _point_gradient(towards_means: Tensor, alpha: float, terms: List[Tuple[Tensor, Tensor, float]], a: float,
+                    inv_var: Tensor, scaled_means: Tensor, out: Tensor):
+    """alpha T (mu sigma^-2) + sum_k sign_k a^2 (G_k sigma^-2) * u_k of one block of points into
+    ``out``, ``terms`` the (G_k, u_k, sign_k) (at least one): ``_MixtureStatistics``'s dz, dx or
+    their sum.
+    The last term writes ``out``, so that a block's intermediates are new tensors (torch's CPU
+    baddbmm into a slice of a larger tensor runs group by group)."""
+    grad = torch.baddbmm(towards_means.new_empty(()), towards_means, scaled_means, beta=0.0, alpha=alpha)
+    for index, (gradient, points, sign) in enumerate(terms):
+        torch.addcmul(grad, torch.bmm(gradient, inv_var), points, value=sign * a * a,
+                      out=out if index == len(terms) - 1 else grad)
+
+
+def _accumulate_product(total: Optional[Tensor], a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """total + alpha a @ b, the product alone when ``total`` is None (the first block)."""
+    if total is None:
+        return torch.baddbmm(a.new_empty(()), a, b, beta=0.0, alpha=alpha)
+    return total.baddbmm_(a, b, alpha=alpha)
 
 
 def _mean_rebuilder(

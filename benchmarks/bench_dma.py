@@ -23,8 +23,9 @@ Training step (``--lengths``, default 32 128 512)
     runs the memory step (below), so its first step at a new shape is never timed; then
     ``--warmup`` untimed steps each, then ``--repeats`` timed steps, alternately (transformer,
     DMA, transformer, ...) so that drifts of the machine hit both alike; the table shows
-    medians. ``--repeats`` and ``--warmup`` take one value or one per length (e.g.
-    ``--repeats 3 3 1``: a DMA step at length 512 is slow on a CPU).
+    medians, and as "step ratios" the range of each DMA step's time over the transformer step
+    just before it (the spread over repeats). ``--repeats`` and ``--warmup`` take one value or
+    one per length (e.g. ``--repeats 3 3 1``: a DMA step at length 512 is slow on a CPU).
 
 Peak memory (MB = 2**20 bytes) is the peak of *tensor memory allocated during one training
 step* above what was allocated before it (weights, inputs), measured by ``harness.py`` (whose
@@ -156,9 +157,12 @@ def bench_training(entries, cfg, d, device, on_row=None):
 
         t_ms, d_ms = (statistics.median(times[n]) if times[n] else None for n in ("transformer", "dma"))
         t_mb, d_mb = peaks["transformer"], peaks["dma"]
+        # each timed DMA step against the transformer step just before it: the spread over repeats
+        step_ratios = [dma / base for base, dma in zip(times["transformer"], times["dma"])]
         row = {
             "length": length, "batch": bsz, "tokens": bsz * length,
             "transformer_ms": t_ms, "dma_ms": d_ms, "time_ratio": d_ms / t_ms if t_ms and d_ms else None,
+            "time_ratio_range": [min(step_ratios), max(step_ratios)] if step_ratios else None,
             "transformer_mb": t_mb, "dma_mb": d_mb, "memory_ratio": d_mb / t_mb if t_mb and d_mb else None,
             "transformer_ms_all": times["transformer"], "dma_ms_all": times["dma"],
             "repeats": max(repeats[length], 1), "warmup": warmups[length], "dma_gamma": gammas.get("dma"),
@@ -344,13 +348,15 @@ def count_ops(entries, cfg, d, device):
 
 # ----------------------------------------------------------------------------- main
 def format_table(rows):
-    header = (f"{'length':>6} {'batch':>5} {'transformer ms':>14} {'DMA ms':>9} {'time ratio':>10} "
+    header = (f"{'length':>6} {'batch':>5} {'transformer ms':>14} {'DMA ms':>9} {'time ratio':>10} {'step ratios':>11} "
               f"{'transformer MB':>14} {'DMA MB':>9} {'mem ratio':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
+        spread = r.get("time_ratio_range")
+        spread_cell = f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-"
         lines.append(f"{r['length']:>6} {r['batch']:>5} {fmt(r['transformer_ms'], 14, 1)} {fmt(r['dma_ms'], 9, 1)} "
-                     f"{ratio_cell(r['time_ratio'], 10)} {fmt(r['transformer_mb'], 14, 1)} {fmt(r['dma_mb'], 9, 1)} "
-                     f"{ratio_cell(r['memory_ratio'], 9)}")
+                     f"{ratio_cell(r['time_ratio'], 10)} {spread_cell:>11} {fmt(r['transformer_mb'], 14, 1)} "
+                     f"{fmt(r['dma_mb'], 9, 1)} {ratio_cell(r['memory_ratio'], 9)}")
     if any(r["out_of_memory"] for r in rows):
         limit = f" (address-space limit {LIMIT_NOTE[0]})" if LIMIT_NOTE else ""
         lines.append(f"OOM: the training step could not allocate its memory{limit}")

@@ -50,6 +50,9 @@ def test_bench_dma_quick(tmp_path):
         assert math.isclose(row["time_ratio"], row["dma_ms"] / row["transformer_ms"], rel_tol=1e-9)
         assert math.isclose(row["memory_ratio"], row["dma_mb"] / row["transformer_mb"], rel_tol=1e-9)
         assert row["dma_gamma"] > 0, "the DMA mask path was not exercised"
+        low, high = row["time_ratio_range"]
+        steps = [d / t for t, d in zip(row["transformer_ms_all"], row["dma_ms_all"])]
+        assert positive_finite(low) and (low, high) == (min(steps), max(steps))
 
     gen = results["generation"]
     for key in ("transformer_sentences_per_s", "dma_sentences_per_s", "sentences_per_s_ratio",
@@ -58,7 +61,7 @@ def test_bench_dma_quick(tmp_path):
     assert gen["output_tokens_per_hypothesis"] == results["config"]["gen_len"] + 1
 
     # The printed table carries the same numbers.
-    assert "time ratio" in proc.stdout and "mem ratio" in proc.stdout
+    assert "time ratio" in proc.stdout and "step ratios" in proc.stdout and "mem ratio" in proc.stdout
     assert "ratio DMA/transformer" in proc.stdout
 
 

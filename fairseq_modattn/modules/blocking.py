@@ -18,8 +18,8 @@ in several passes each way: squares, matmuls with the (clusters x d) parameters,
 the gradient's terms and the parameters' sums. Whole, every pass streams the tensor from memory,
 which bounds them on the CPU (about 10 GB/s on the project's 2-core VM: 1.5 ms a pass over
 4096 tokens x 512). ``point_blocks`` cuts them into blocks whose passes read the cache after the
-first: the forward of a GMM (4 heads, 4096 tokens, d = 128, 8 clusters) took 4.7 ms block by
-block against 10.7 ms whole, from a cold cache. As above, a GPU takes one block.
+first: the six point passes of a GMM's forward (4 heads, 4096 tokens, d = 128, 8 clusters)
+took 4.7 ms block by block against 10.7 ms whole, from a cold cache. As above, a GPU takes one block.
 """
 
 from typing import List, Optional, Union

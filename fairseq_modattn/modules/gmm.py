@@ -260,8 +260,8 @@ class _MixtureStatistics(torch.autograd.Function):
         if needs[2]:
             log_pi = torch.log_softmax(logits, dim=-1)
             grad_logits = torch.ops.aten._log_softmax_backward_data(weight, log_pi, -1, weight.dtype).neg_()
-        # Each point gradient is +-a T (mu sigma^-2) - a^2 (G^z sigma^-2) * z + a^2 (G^x sigma^-2) * x
-        # (``_point_gradient``): (the result, T, +-a, [(G^., the points, -1 | +1)]). dx + dz is one
+        # Each point gradient (``_point_gradient``) is a target (result, T, alpha, terms): the
+        # sampled points' term weighs G^J' with sign -1, the means' G^KL P with +1. dx + dz is one
         # result where both are needed (class docstring). Results are laid out like the points, so
         # that they reach the caller's activation as a view.
         sampled_terms = [(grad_j, point, -1.0)]
@@ -310,9 +310,8 @@ def _point_gradient(towards_means: Tensor, alpha: float, terms: List[Tuple[Tenso
                     inv_var: Tensor, scaled_means: Tensor, out: Tensor):
     """alpha T (mu sigma^-2) + sum_k sign_k a^2 (G_k sigma^-2) * u_k of one block of points into
     ``out``, ``terms`` the (G_k, u_k, sign_k) (at least one): ``_MixtureStatistics``'s dz, dx or
-    their sum.
-    The last term writes ``out``, so that a block's intermediates are new tensors (torch's CPU
-    baddbmm into a slice of a larger tensor runs group by group)."""
+    their sum. The last term writes ``out``, so that a block's intermediates are new tensors
+    (torch's CPU baddbmm into a slice of a larger tensor runs group by group)."""
     grad = torch.baddbmm(towards_means.new_empty(()), towards_means, scaled_means, beta=0.0, alpha=alpha)
     for index, (gradient, points, sign) in enumerate(terms):
         torch.addcmul(grad, torch.bmm(gradient, inv_var), points, value=sign * a * a,

@@ -30,6 +30,11 @@ def pytest_addoption(parser):
         "--require-shared-data", action="store_true",
         help="fail, instead of skipping, the tests whose shared corpus is missing (CI passes it)",
     )
+    parser.addoption(
+        "--torch-device", default="cpu",
+        help="torch device of the tests that take one (the compiled DMA path against eager, "
+             "tests/test_dma_compiled.py), e.g. cuda on a GPU machine (default: cpu)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the tier markers given here
@@ -102,6 +107,17 @@ def shared_corpus(pytestconfig, name: str, probe: str, what: str) -> Path:
             pytest.fail(f"{message}; --require-shared-data makes this a failure", pytrace=False)
         pytest.skip(message)
     return path
+
+
+@pytest.fixture(scope="session")
+def torch_device(pytestconfig):
+    """The ``--torch-device`` the device-taking tests run on; an unusable one is an error."""
+    import torch
+
+    device = torch.device(pytestconfig.getoption("--torch-device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--torch-device cuda: torch sees no CUDA device here")
+    return device
 
 
 @pytest.fixture(scope="session")

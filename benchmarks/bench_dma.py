@@ -100,6 +100,7 @@ from harness import (
     sync,
     synthetic_dictionary,
     time_generation,
+    timed_step,
     train_step,
     training_sample,
     versions_line,
@@ -280,6 +281,26 @@ def self_time_by_source(prof):
         ns, kernels = totals.get(location, (0, 0))
         totals[location] = (ns + max(self_ns, 0), kernels + kernel)
     return sorted(((loc, ns, kernels) for loc, (ns, kernels) in totals.items()), key=lambda r: -r[1])
+
+
+def gpu_busy(entry, sample, device):
+    """(step ms, GPU kernel ms) of a training step on CUDA: the median wall time of 5 unprofiled
+    steps and the summed durations of the kernels and copies it ran on the GPU (one profiled step).
+    A kernel time far below the step's means the GPU waits for the host to issue its calls."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    entry["model"].train()
+    zero_grad(entry["model"])
+    train_step(entry, sample)  # warm-up at this shape
+    step_ms = statistics.median(timed_step(entry, sample, device) for _ in range(5))
+    zero_grad(entry["model"])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(entry, sample)
+        sync(device)
+    zero_grad(entry["model"])
+    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return step_ms, kernel_us / 1e3
 
 
 def profile_dma(entry, cfg, d, device, length, top=15):
@@ -479,6 +500,16 @@ def main(argv=None):
         print(ops_table)
         print("the same self time, and the kernel ops, by the Python function that issued the op:")
         print(source_table)
+        if device.type == "cuda":
+            bsz = max(cfg.tokens // cfg.profile, 1)
+            sample = training_sample(cfg.profile, bsz, d, torch.Generator().manual_seed(cfg.seed), device)
+            busy = {}
+            for e in entries:
+                step_ms, kernel_ms = gpu_busy(e, sample, device)
+                busy[e["name"]] = {"step_ms": step_ms, "kernel_ms": kernel_ms}
+                print(f"GPU busy, {e['name']}: kernels {kernel_ms:.1f} ms of a {step_ms:.1f} ms step "
+                      f"({100.0 * kernel_ms / step_ms:.0f} %)", flush=True)
+            results["profile"]["gpu_busy"] = busy
 
     if cfg.compile:
         from fairseq_modattn.modules import dma_compiled

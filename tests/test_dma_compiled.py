@@ -266,18 +266,31 @@ def compiled_graphs():
 
 
 def check_no_recompiles(kind, objective, device):
-    """One graph for a module over batch shapes, padding, input layouts and gamma values."""
+    """One graph for a module over batch shapes, padding, input layouts and gamma values.
+
+    The first batch's sizes all equal the head dimension (8), which dynamo's duck sizing would
+    make one symbol; the decoder's future mask is, as in fairseq's ``buffered_future_mask``, the
+    top-left slice of a buffer as large as the longest batch so far, so that it is a view whose
+    layout changes when a shorter batch follows a longer one (the third shape)."""
     torch._dynamo.reset()
     dma_compiled.reset()
     m = build(kind, objective, device=device)
+    assert m.head_dim == 8
     before, gammas = compiled_graphs(), set()
-    shapes = [dict(bsz=3, tgt_len=7, src_len=9), dict(bsz=5, tgt_len=11, src_len=6)]
+    shapes = [dict(bsz=8, tgt_len=8, src_len=8), dict(bsz=5, tgt_len=11, src_len=6),
+              dict(bsz=3, tgt_len=7, src_len=9)]
+    future_mask = torch.empty(0, 0)
     for num_updates in (500, 900):  # gamma still rising (alpha = 0.5)
         m.set_num_updates(num_updates)
         gammas.add(m.gamma)
         for shape in shapes:
             for padded in (False, True):
-                step(m, True, kind, *inputs(kind, padded, batch_major=padded, device=device, **shape))
+                x, key, kpm, qpm, mask = inputs(kind, padded, batch_major=padded, device=device, **shape)
+                if mask is not None:
+                    if future_mask.size(0) < mask.size(0):
+                        future_mask = mask
+                    mask = future_mask[: mask.size(0), : mask.size(0)]
+                step(m, True, kind, x, key, kpm, qpm, mask)
     assert len(gammas) == 2
     assert compiled_graphs() - before == 1
 

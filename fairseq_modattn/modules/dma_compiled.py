@@ -36,8 +36,9 @@ Which forwards take the compiled path (``applies``): training forwards without i
 state, weights or beams, with a 2-D (fairseq's future mask) or no attention mask, whose module
 computes a mask or its regularisers; evaluation, validation and incremental decoding run the
 eager module. The graph never sees a Python value that changes between batches: gamma is a
-0-d tensor, padding masks are always tensors (all False without padding) and all sizes are
-symbolic, so the only recompiles are one per module configuration (attention type and flags).
+0-d tensor, padding masks are always tensors (all False without padding), the attention mask
+is a contiguous tensor of its own, and all sizes are symbolic and independent (no duck sizing),
+so the only recompiles are one per module configuration (attention type and flags).
 A batch of one sentence or one token is an exception: torch specialises sizes 0 and 1, so such
 a batch compiles its own graph once.
 
@@ -53,6 +54,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.fx.experimental import _config as fx_config
 
 from .gmm import LOG_2PI, group_major_points
 from .mi_bounds import _DIV_COEFFICIENTS, _PADDED_KEY_CRITIC, BOUNDED_QQ_EPS, sample_negatives
@@ -495,6 +497,12 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     # view (T, B, E) of a (B, T, E) tensor, the others token-major tensors, and dynamo guards on
     # strides: a copy here (a launch, in those two layers) instead of a second graph.
     query = query.contiguous()
+    if attn_mask is not None:
+        # fairseq's decoder passes its future mask as the top-left T x T slice of a buffer as large
+        # as the longest batch so far: a view, contiguous only while the batches grow, and dynamo
+        # guards on a view's base. Contiguous and not a view (detach shares the storage), the
+        # mask is one layout for every batch.
+        attn_mask = attn_mask.contiguous().detach()
     if not self_attention:
         same = value is key
         key = key.contiguous()
@@ -522,9 +530,12 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     args = (query, key, value, attn_mask, key_padding, query_padding, token_noise, key_token_noise, query_noise,
             negatives, _gamma_tensor(module.gamma, query.device), projections, *gmms, cfg)
     try:
-        # the configuration's floats are constants of the graph: as symbolic floats (dynamic=True's
-        # default) dynamo would specialise them one by one, restarting its analysis
-        with torch._dynamo.config.patch(specialize_float=True):
+        # The configuration's floats are constants of the graph: as symbolic floats (dynamic=True's
+        # default) dynamo would specialise them one by one, restarting its analysis. Duck sizing
+        # (on by default) would give sizes that are equal at the first call one symbol and guard
+        # on their equality, so that the next batch recompiles: the bench's L = 128 equals its
+        # head dimension, L = 512 its model dimension, a batch of 32 sentences a length of 32.
+        with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
             results = _compiled_math(cfg)(*args)
     except Exception as error:  # noqa: BLE001 - any failure of the compiler: run eagerly
         _State.failed = True

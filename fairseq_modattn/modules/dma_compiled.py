@@ -535,7 +535,9 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
         # (on by default) would give sizes that are equal at the first call one symbol and guard
         # on their equality, so that the next batch recompiles: the bench's L = 128 equals its
         # head dimension, L = 512 its model dimension, a batch of 32 sentences a length of 32.
-        with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
+        # (fx's config module gets ``patch`` at import, as dynamo's does, but declares no type for it)
+        no_duck_sizing = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+        with torch._dynamo.config.patch(specialize_float=True), no_duck_sizing:
             results = _compiled_math(cfg)(*args)
     except Exception as error:  # noqa: BLE001 - any failure of the compiler: run eagerly
         _State.failed = True

@@ -367,6 +367,45 @@ def count_ops(entries, cfg, d, device):
             "dma_calls_growth": flat, "decoding_step": {**decoding, "ratio": ratio}}
 
 
+# ----------------------------------------------------------------------------- host cost
+#: the host-cost models: the bench's layers and heads at a width whose arithmetic is negligible
+HOST_COST_WIDTH = 16
+HOST_COST_SHAPE = (8, 4)  # (length, sentences)
+
+
+def host_cost(cfg, warmup=5, repeats=25):
+    """The host's cost of one training step of each model: Python, dispatch, autograd and
+    allocation, measured on the CPU with one thread and the CUDA code path emulated, the bench's
+    layers, heads and clusters at width HOST_COST_WIDTH and a dictionary of 100, a batch of
+    HOST_COST_SHAPE, so that the arithmetic is negligible. On a GPU a step whose kernels are
+    short runs at the pace its host issues them; this measures that pace on any machine, beside
+    the number of calls (``--count-ops``). Median of ``repeats`` interleaved steps."""
+    width = str(HOST_COST_WIDTH)
+    small = argparse.Namespace(**{**vars(cfg), "model_args": [
+        *cfg.model_args, "--encoder-embed-dim", width, "--decoder-embed-dim", width,
+        "--encoder-ffn-embed-dim", str(2 * HOST_COST_WIDTH), "--decoder-ffn-embed-dim", str(2 * HOST_COST_WIDTH)]})
+    cpu = torch.device("cpu")
+    d = synthetic_dictionary(100)
+    entries = [build(name, arch, crit, small, d, d, cpu) for name, arch, crit in MODELS]
+    for e in entries:
+        e["model"].train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with device_paths.emulate("cuda"):
+            length, bsz = HOST_COST_SHAPE
+            sample = training_sample(length, bsz, d, torch.Generator().manual_seed(cfg.seed), cpu)
+            times = interleaved_step_times(entries, sample, cpu, warmup, repeats)
+            calls = {e["name"]: sum(kernel_op_counts(e, sample, math_sdpa_as_fused=True).values()) for e in entries}
+    finally:
+        torch.set_num_threads(threads)
+    rows = {e["name"]: {"ms": statistics.median(times[e["name"]]), "calls": calls[e["name"]]} for e in entries}
+    for row in rows.values():
+        row["us_per_call"] = 1e3 * row["ms"] / row["calls"]
+    rows["ratio"] = rows["dma"]["ms"] / rows["transformer"]["ms"]
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 def format_table(rows):
     header = (f"{'length':>6} {'batch':>5} {'transformer ms':>14} {'DMA ms':>9} {'time ratio':>10} {'step ratios':>11} "
@@ -420,6 +459,10 @@ def get_parser():
     p.add_argument("--compile", action="store_true",
                    help="build the DMA model with --dma-compile (its training forwards compiled by torch.compile; "
                         "inductor's kernels then record profiler events, so that --count-ops counts them)")
+    p.add_argument("--host-cost", action="store_true",
+                   help="also time the host's side of a training step (Python, dispatch, autograd): both models "
+                        f"at width {HOST_COST_WIDTH}, on the CPU with one thread and the CUDA path emulated, so "
+                        "that the arithmetic is negligible (what a GPU waits for when its kernels are short)")
     p.add_argument("--profile", type=int, default=None, metavar="L",
                    help="also print the top 15 ops (self time) of one DMA training step at length L")
     return p
@@ -491,6 +534,16 @@ def main(argv=None):
         print("\nkernel launches per training step (benchmarks/kernel_calls.py; the CUDA code path, "
               f"{'emulated on the CPU' if device.type != 'cuda' else 'on this GPU'}):", flush=True)
         results["kernel_ops"] = count_ops(entries, cfg, d, device)
+
+    if cfg.host_cost:
+        length, bsz = HOST_COST_SHAPE
+        print(f"\nhost cost of a training step (CPU, one thread, CUDA path emulated, width {HOST_COST_WIDTH}, "
+              f"L={length} B={bsz}, median of 25):", flush=True)
+        cost = host_cost(cfg)
+        results["host_cost"] = cost
+        print("  " + " | ".join(f"{name} {cost[name]['ms']:.1f} ms, {cost[name]['calls']} calls, "
+                                f"{cost[name]['us_per_call']:.1f} us/call" for name in ("transformer", "dma"))
+              + f" | ratio {cost['ratio']:.2f}", flush=True)
 
     if cfg.profile is not None:
         print(f"\ntop ops of one DMA training step at length {cfg.profile}, "

@@ -100,8 +100,8 @@ def test_kernel_calls_count_the_ops_that_launch_kernels():
 
 def test_bench_dma_counts_kernel_ops(tmp_path):
     out = tmp_path / "ops.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--count-ops", "--no-train",
-                           "--no-generate", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--count-ops", "--host-cost",
+                           "--no-train", "--no-generate", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     counted = json.loads(out.read_text())["kernel_ops"]
@@ -116,6 +116,15 @@ def test_bench_dma_counts_kernel_ops(tmp_path):
     step = counted["decoding_step"]
     assert 0 < step["transformer"] <= step["dma"] and step["ratio"] == step["dma"] / step["transformer"]
     assert "kernel launches per training step" in proc.stdout and "decoding step" in proc.stdout
+
+    # --host-cost times the same layers at a negligible width: the same calls, counted again
+    cost = json.loads(out.read_text())["host_cost"]
+    for name, key in (("transformer", "transformer_ops"), ("dma", "dma_ops")):
+        assert cost[name]["calls"] == rows[0][key], (name, cost[name], rows[0])
+        assert positive_finite(cost[name]["ms"])
+        assert math.isclose(cost[name]["us_per_call"], 1e3 * cost[name]["ms"] / cost[name]["calls"])
+    assert math.isclose(cost["ratio"], cost["dma"]["ms"] / cost["transformer"]["ms"])
+    assert "host cost of a training step" in proc.stdout
 
 
 RIM_SCRIPT = REPO / "benchmarks" / "bench_rim.py"

@@ -54,7 +54,6 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.fx.experimental import _config as fx_config
 
 from .gmm import LOG_2PI, group_major_points
 from .mi_bounds import _DIV_COEFFICIENTS, _PADDED_KEY_CRITIC, BOUNDED_QQ_EPS, sample_negatives
@@ -535,7 +534,10 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
         # (on by default) would give sizes that are equal at the first call one symbol and guard
         # on their equality, so that the next batch recompiles: the bench's L = 128 equals its
         # head dimension, L = 512 its model dimension, a batch of 32 sentences a length of 32.
-        # (fx's config module gets ``patch`` at import, as dynamo's does, but declares no type for it)
+        # (a private module of torch, hence imported where a failure falls back to eager; it gets
+        # ``patch`` at import, as dynamo's config does, but declares no type for it)
+        from torch.fx.experimental import _config as fx_config
+
         no_duck_sizing = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
         with torch._dynamo.config.patch(specialize_float=True), no_duck_sizing:
             results = _compiled_math(cfg)(*args)

@@ -293,7 +293,7 @@ def gpu_busy(entry, sample, device):
     entry["model"].train()
     zero_grad(entry["model"])
     train_step(entry, sample)  # warm-up at this shape
-    step_ms = statistics.median(timed_step(entry, sample, device) for _ in range(5))
+    step_ms = statistics.median(timed_step(entry, sample, device) for _ in range(5))  # each zeroes the gradients
     zero_grad(entry["model"])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         train_step(entry, sample)
@@ -371,9 +371,10 @@ def count_ops(entries, cfg, d, device):
 #: the host-cost models: the bench's layers and heads at a width whose arithmetic is negligible
 HOST_COST_WIDTH = 16
 HOST_COST_SHAPE = (8, 4)  # (length, sentences)
+HOST_COST_REPEATS = 25
 
 
-def host_cost(cfg, warmup=5, repeats=25):
+def host_cost(cfg, warmup=5, repeats=HOST_COST_REPEATS):
     """The host's cost of one training step of each model: Python, dispatch, autograd and
     allocation, measured on the CPU with one thread and the CUDA code path emulated, the bench's
     layers, heads and clusters at width HOST_COST_WIDTH and a dictionary of 100, a batch of
@@ -538,7 +539,7 @@ def main(argv=None):
     if cfg.host_cost:
         length, bsz = HOST_COST_SHAPE
         print(f"\nhost cost of a training step (CPU, one thread, CUDA path emulated, width {HOST_COST_WIDTH}, "
-              f"L={length} B={bsz}, median of 25):", flush=True)
+              f"L={length} B={bsz}, median of {HOST_COST_REPEATS}):", flush=True)
         cost = host_cost(cfg)
         results["host_cost"] = cost
         print("  " + " | ".join(f"{name} {cost[name]['ms']:.1f} ms, {cost[name]['calls']} calls, "

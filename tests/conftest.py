@@ -37,6 +37,14 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_sessionstart(session):
+    # DMA's CPU noise generator is compiled on first use (modules/native_normal.py): built here,
+    # before the fast tier's tests, which may not start a process (the compiler)
+    from fairseq_modattn.modules import native_normal
+
+    native_normal.library()
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the tier markers given here
 def pytest_collection_modifyitems(config, items):
     config.stash[TIER_COUNTS] = tiers.assign(items)

@@ -1,0 +1,154 @@
+"""The CPU's noise generator: ``philox_normal.c``, built with the system's C compiler on first use.
+
+DMA draws as many Gaussian noise values as its layers have activations. torch's CPU generator
+draws them one at a time (~3.4 ns a value, ~7 ms for 4096 x 512); ``philox_normal.c`` computes
+Philox4x32-10 and Box-Muller in vector registers (~4 ms with AVX-512, docs/design.md, "Noise").
+It is plain C with no Python or torch headers: compiling it takes well under a second, so it is
+built where it runs, once per source and compiler, into ``$XDG_CACHE_HOME/fairseq_modattn``
+(``~/.cache/fairseq_modattn``), and loaded with ctypes. The library is written to a temporary
+name and renamed into place, so processes that build it at once each get a whole file.
+
+Where no compiler or cache directory is usable, or ``FAIRSEQ_MODATTN_NATIVE_NOISE=0`` is set,
+``library()`` is None and ``noise`` draws with torch's generator instead (one log line says
+why): the same distribution, other values for a given seed.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("philox_normal.c")
+#: -ffp-contract=off: no fused multiply-adds, so every kernel width rounds alike (the C file's
+#: comment); -fno-math-errno: sqrtf without errno, which lets it vectorise
+FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi")
+#: set to 0 to draw DMA's noise with torch's generator on the CPU too
+DISABLE_VARIABLE = "FAIRSEQ_MODATTN_NATIVE_NOISE"
+#: set to a directory to build the library there instead of the user's cache
+CACHE_VARIABLE = "FAIRSEQ_MODATTN_CACHE"
+#: the narrowest kernel worth taking over torch's generator: 8 lanes (AVX2) draw 4096 x 512
+#: values in ~6.3 ms against torch's ~7.1 ms, 16 (AVX-512) in ~3.0 ms; 4 lanes take ~13 ms
+MIN_LANES = 8
+
+_looked_for = False
+_library: Optional[ctypes.CDLL] = None
+
+
+def compiler() -> Optional[list]:
+    """The C compiler's command: $CC, else the one Python was built with, else cc; None if none
+    is on PATH."""
+    for command in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
+        if command:
+            words = shlex.split(command)
+            if words and shutil.which(words[0]):
+                return words
+    return None
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get(CACHE_VARIABLE)
+    if explicit:
+        return Path(explicit)
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "fairseq_modattn"
+
+
+def build(directory: Path, cc: list) -> Path:
+    """The compiled library in ``directory``, built unless it is there (named by a hash of the
+    source, the compiler's version and the flags). OSError or CalledProcessError on failure."""
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = directory / f"philox_normal-{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=directory)
+    os.close(handle)
+    try:
+        subprocess.run([*cc, *FLAGS, "-o", partial, str(SOURCE)], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.modattn_normal.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
+                                   ctypes.c_float, ctypes.c_int]
+    lib.modattn_normal.restype = ctypes.c_int
+    lib.modattn_normal_lanes.argtypes = [ctypes.c_int]
+    lib.modattn_normal_lanes.restype = ctypes.c_int
+    return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded library, built on the first call; None where it cannot be (module docstring)."""
+    global _library, _looked_for
+    if not _looked_for:
+        _library, _looked_for = _open(), True
+    return _library
+
+
+def _open() -> Optional[ctypes.CDLL]:
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return None
+    cc = compiler()
+    if cc is None:
+        logger.info("no C compiler on PATH (CC, cc): DMA's noise is drawn with torch's CPU generator, "
+                    "which is slower (docs/design.md, \"Noise\")")
+        return None
+    try:
+        lib = load(build(cache_dir(), cc))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = str(getattr(error, "stderr", None) or error).strip()
+        logger.info("could not build %s (%s): DMA's noise is drawn with torch's CPU generator, which is slower",
+                    SOURCE.name, detail.splitlines()[-1] if detail else type(error).__name__)
+        return None
+    if lib.modattn_normal_lanes(0) < MIN_LANES:
+        logger.info("this CPU has no AVX2: DMA's noise is drawn with torch's CPU generator, as fast here")
+        return None
+    return lib
+
+
+def reset():
+    """Forget the loaded library, so that the next ``library()`` looks again (tests)."""
+    global _library, _looked_for
+    _library, _looked_for = None, False
+
+
+def fill(out: Tensor, key: int, scale: float = 1.0, base: Optional[Tensor] = None, lanes: int = 0) -> Tensor:
+    """out = base + scale * N (base None: scale * N), N the first ``out.numel()`` values of the
+    stream of ``key`` (0 <= key < 2^64) in memory order; ``out`` and ``base`` contiguous fp32 CPU
+    tensors of one size (``base`` may be ``out``). ``lanes``: the kernel's width (0: the widest
+    this CPU runs). Needs ``library()``."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"{SOURCE.name} is not available (see the log)")
+    for name, t in (("out", out), ("base", base)):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} {t.device} "
+                             f"strides {t.stride()}")
+    if base is not None and base.numel() != out.numel():
+        raise ValueError(f"base has {base.numel()} values for out's {out.numel()}")
+    with torch.profiler.record_function("fairseq_modattn::philox_normal"):
+        used = lib.modattn_normal(out.data_ptr(), None if base is None else base.data_ptr(), out.numel(), key,
+                                  scale, lanes)
+    if used == 0:
+        raise ValueError(f"this CPU has no {lanes}-lane kernel")
+    return out

@@ -17,7 +17,9 @@ device, so the CPU can count what a GPU pays. ``count_kernel_calls(fn)`` runs ``
   ``cpp.enable_kernel_profile`` is on, which ``count_kernel_calls`` switches on for its run
   (it must be on when the graph is compiled: inductor writes the event into the kernel's
   wrapper). An extern kernel of a compiled graph (a matmul it leaves to ATen) is an ATen call
-  and counts as such.
+  and counts as such;
+* every call of the package's own C kernels (``modules/native_normal.py``), recorded as one
+  ``fairseq_modattn::...`` event each.
 """
 
 import contextlib
@@ -41,6 +43,8 @@ NO_KERNEL_OPS = frozenset(f"aten::{op}" for op in (
 
 #: name prefixes of the events that inductor's generated kernels record (one launch each)
 COMPILED_KERNEL_PREFIXES = ("cpp_fused_", "triton_", "cpp_kernel", "cuda_fused_")
+#: the events of the package's own C kernels (``torch.profiler.record_function`` around each call)
+NATIVE_KERNEL_PREFIX = "fairseq_modattn::"
 #: the same, after the ``graph_<n>_`` that torch 2.13's C++ wrapper puts before the kernel's name
 _COMPILED_KERNEL = re.compile(r"(graph_\d+_)?(" + "|".join(map(re.escape, COMPILED_KERNEL_PREFIXES)) + ")")
 
@@ -107,7 +111,7 @@ def kernel_calls(nodes: Iterable, math_sdpa_as_fused: bool = False) -> Iterator[
                         counted_backward.add(index)
                         yield "aten::scaled_dot_product_attention [backward]"
                     continue
-            if is_compiled_kernel(node):
+            if is_compiled_kernel(node) or node.name.startswith(NATIVE_KERNEL_PREFIX):
                 yield node.name
                 continue
             yield from walk(node.children)

@@ -26,6 +26,7 @@ from fairseq_modattn.modules.mi_bounds import (
     infonce_bound,
     masked_token_mean,
 )
+from fairseq_modattn.modules.noise import standard_normal, standard_normal_like
 from tiny_models import model_args
 
 EMBED, HEADS = 16, 2  # make_dma's default width and heads
@@ -234,8 +235,8 @@ def test_training_sample_feeds_the_query_projection_and_the_logits():
     torch.manual_seed(11)
     out, _ = m(x, x, x)
     torch.manual_seed(11)  # the module draws eps for the input first, then eps' for the queries
-    eps = torch.randn_like(x)
-    eps_q = torch.randn(bsz, HEADS, length, EMBED // HEADS, dtype=DOUBLE)
+    eps = standard_normal_like(x)
+    eps_q = standard_normal((bsz, HEADS, length, EMBED // HEADS), DOUBLE, x.device)
 
     s, d = math.sqrt(m.noise_var), EMBED // HEADS
     x_tilde = x + s * eps
@@ -279,8 +280,8 @@ def test_scaled_query_gmm_clusters_q_over_sqrt_d_and_the_logits_carry_its_sample
     m.collect_aux = True
     out, _ = m(x, x, x)
     torch.manual_seed(5)  # eps for the input first, then eps' for the queries
-    eps = torch.randn_like(x)
-    eps_q = torch.randn(bsz, HEADS, length, d, dtype=DOUBLE)
+    eps = standard_normal_like(x)
+    eps_q = standard_normal((bsz, HEADS, length, d), DOUBLE, x.device)
 
     def heads(layer, t):
         t = t @ layer.weight.detach().t() + layer.bias.detach()

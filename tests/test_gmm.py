@@ -17,6 +17,7 @@ import fairseq_modattn  # noqa: F401  (registers the plugin, applies compat fixe
 from attention_helpers import DOUBLE, causal_mask, make_dma, naive_posterior, padding
 from fairseq_modattn.modules import DiagonalGMM, DisentangledMaskAttention, annealing_rate, log_semantic_mask
 from fairseq_modattn.modules.logspace import log_matmul_exp
+from fairseq_modattn.modules.noise import standard_normal_like
 
 
 # ----------------------------------------------------------------------------- references
@@ -159,8 +160,8 @@ def test_gmm_sampling_clusters_the_noisy_point_and_takes_kl_at_the_mean():
     x = torch.randn(1, heads, n, d, dtype=DOUBLE)
     torch.manual_seed(123)
     stats = gmm(x, noise_var=s2, sample=True, need_kl=True)
-    torch.manual_seed(123)
-    z = x + math.sqrt(s2) * torch.randn_like(x)
+    torch.manual_seed(123)  # the GMM draws eps in its group-major order, here (H, N, d) = x's
+    z = x + math.sqrt(s2) * standard_normal_like(x)
     clean = gmm(x, noise_var=s2, sample=False, need_kl=True)
     assert not torch.allclose(stats.log_post, clean.log_post)  # the noise is really applied
     for h in range(heads):

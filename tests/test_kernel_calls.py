@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_modattn.modules import device_paths
+from fairseq_modattn.modules import device_paths, native_normal, noise
 from fairseq_modattn.modules.dma_attention import DisentangledMaskAttention
 from fairseq_modattn.modules.gmm import log_softmax_over_clusters
 
@@ -35,6 +35,18 @@ def test_views_and_detach_are_not_launches(kernel_calls):
     counts = kernel_calls.count_kernel_calls(lambda: x.movedim(0, -1).sum().backward())
     assert "aten::movedim" not in counts and "aten::detach" not in counts
     assert counts["aten::sum"] == 1
+
+
+def test_a_native_kernel_counts_once_and_emulating_a_gpu_takes_torchs_draw(kernel_calls):
+    if native_normal.library() is None:
+        pytest.skip("the native noise library is not available here")
+    shape, cpu = (64, 8), torch.device("cpu")
+    # the key (from torch's generator) and the C kernel
+    assert kernel_calls.count_kernel_calls(lambda: noise.standard_normal(shape, torch.float32, cpu)) == {
+        "aten::random_": 1, "fairseq_modattn::philox_normal": 1}
+    with device_paths.emulate("cuda"):
+        assert kernel_calls.count_kernel_calls(lambda: noise.standard_normal(shape, torch.float32, cpu)) == {
+            "aten::randn": 1}
 
 
 def test_emulate_switches_the_path_and_restores_it():

@@ -14,16 +14,20 @@ compare them), so emulation changes which kernels run, not the results.
 """
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
+import torch
 from torch import Tensor
 
 _emulated: Optional[str] = None
 
 
-def path_device(t: Tensor) -> str:
-    """The device type whose code path ``t``'s computation takes: its own, or the emulated one."""
-    return _emulated if _emulated is not None else t.device.type
+def path_device(t: Union[Tensor, torch.device]) -> str:
+    """The device type whose code path a computation on ``t`` (a tensor or a device) takes:
+    its own, or the emulated one."""
+    if _emulated is not None:
+        return _emulated
+    return t.type if isinstance(t, torch.device) else t.device.type
 
 
 @contextlib.contextmanager

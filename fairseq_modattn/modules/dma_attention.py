@@ -81,7 +81,7 @@ from .mi_bounds import (
     masked_token_mean,
     sample_negatives,
 )
-from .noise import ReplayableNoise
+from .noise import ReplayableNoise, standard_normal, standard_normal_like
 from .parameter_names import parameter_names
 from .precision import at_least_fp32
 
@@ -240,7 +240,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         return self.training and self.sample_inputs == "attention"
 
     def token_state(self, x: Tensor) -> Dict[str, Tensor]:
-        return self._token_state(x, torch.randn_like(x) if self.samples_attention else None)
+        return self._token_state(x, standard_normal_like(x) if self.samples_attention else None)
 
     def token_states(self, query: Tensor, key: Optional[Tensor]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
         """Encoder-decoder attention clusters its queries' and keys' inputs (one token GMM) in
@@ -258,8 +258,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         elif self.training:
             # the draws the token GMM makes for each side, (H, N * B, d) in its group-major
             # order, laid out as the concatenated points
-            draws = [torch.randn(self.num_heads, t.size(0) * t.size(1), self.head_dim, dtype=at_least_fp32(t),
-                                 device=t.device) for t in (query, key)]
+            draws = [standard_normal((self.num_heads, t.size(0) * t.size(1), self.head_dim), at_least_fp32(t),
+                                     t.device) for t in (query, key)]
             both = torch.cat(draws, 1).view(self.num_heads, -1, query.size(1), self.head_dim)
             gmm_noise = both.permute(2, 0, 1, 3)
         state = self._token_state(torch.cat([query, key]), noise, gmm_noise, noise_replay)

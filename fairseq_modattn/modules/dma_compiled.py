@@ -57,6 +57,7 @@ from torch import Tensor
 
 from .gmm import LOG_2PI, group_major_points
 from .mi_bounds import _DIV_COEFFICIENTS, _PADDED_KEY_CRITIC, BOUNDED_QQ_EPS, sample_negatives
+from .noise import standard_normal, standard_normal_like
 from .precision import at_least_fp32
 
 logger = logging.getLogger(__name__)
@@ -437,10 +438,10 @@ def _gmm_draws(module, x: Tensor, concatenated: bool) -> Tensor:
     heads, dim = module.num_heads, module.head_dim
     dtype = at_least_fp32(x)
     if concatenated:
-        draw = torch.randn(heads, x.size(0) * x.size(1), dim, dtype=dtype, device=x.device)
+        draw = standard_normal((heads, x.size(0) * x.size(1), dim), dtype, x.device)
         return draw.view(heads, x.size(0), x.size(1), dim).permute(1, 2, 0, 3)
     points, restore = group_major_points(x.view(x.size(0), x.size(1), heads, dim).permute(1, 2, 0, 3).to(dtype), heads)
-    drawn = restore(torch.randn(points.shape, dtype=dtype, device=x.device)).permute(2, 0, 1, 3)
+    drawn = restore(standard_normal(points.shape, dtype, x.device)).permute(2, 0, 1, 3)
     if not drawn.permute(2, 0, 1, 3).is_contiguous():
         # drawn for a batch-major input (the first layer's): laid out as for a token-major one,
         # the only layout the graph is compiled for (a view of an (H, N B, d) block, as dynamo
@@ -485,9 +486,9 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     # (token_states), the query sample (attend), CLUB's negatives (regularisers)
     key_token_noise = None
     if cfg.sample_attention:
-        token_noise = torch.randn_like(query).contiguous()
+        token_noise = standard_normal_like(query)
         if not self_attention:
-            key_token_noise = torch.randn_like(key).contiguous()
+            key_token_noise = standard_normal_like(key)
     else:
         token_noise = _gmm_draws(module, query, concatenated=not self_attention)
         if not self_attention:
@@ -509,7 +510,7 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     query_noise = None
     if cfg.sample_attention:
         shape = (bsz, module.num_heads, tgt_len, module.head_dim)
-        query_noise = torch.randn(shape, dtype=_projection_dtype(query), device=query.device)
+        query_noise = standard_normal(shape, _projection_dtype(query), query.device)
     src_len = tgt_len if self_attention else key.size(0)
     key_padding = (
         query.new_zeros((bsz, src_len), dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool()

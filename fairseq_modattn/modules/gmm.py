@@ -38,6 +38,7 @@ from torch import Tensor
 
 from . import blocking
 from .device_paths import path_device
+from .noise import standard_normal
 from .precision import at_least_fp32
 
 #: "xavier" (the DMA authors' initialisation) or "spread" (N(0, 1) centres, unit variances)
@@ -438,7 +439,7 @@ class DiagonalGMM(nn.Module):
                         point = torch.empty_like(x, dtype=dtype).copy_(point)
                     sampled = group_major_points(point, self.num_groups)[0]
                 elif noise_var > 0.0:
-                    drawn = torch.randn(points.shape, dtype=dtype, device=points.device)
+                    drawn = standard_normal(points.shape, dtype, points.device)
                     sampled = torch.add(points, drawn, alpha=math.sqrt(noise_var) / scale)
             params = (self.logits.to(dtype), self.means.to(dtype), self.log_vars.to(dtype))
             grad_needed = points.requires_grad or sampled.requires_grad or any(p.requires_grad for p in params)

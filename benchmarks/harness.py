@@ -101,6 +101,7 @@ from kernel_calls import count_kernel_calls  # noqa: E402
 from provenance import code_record  # noqa: E402
 
 import fairseq_modattn  # noqa: E402  (registers the plugin's architectures and criteria)
+from fairseq_modattn.modules import noise  # noqa: E402
 
 MB = float(2 ** 20)
 LIMIT_NOTE = []  # the --memory-limit-gb in force, for the tables' OOM notes
@@ -491,13 +492,17 @@ def write_json(path: Path, results):
 
 
 def versions_line(device) -> str:
-    return (f"fairseq {fairseq.__version__}, torch {torch.__version__}, device {device}, "
+    line = (f"fairseq {fairseq.__version__}, torch {torch.__version__}, device {device}, "
             f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+    if torch.device(device).type == "cpu":
+        line += f", DMA noise {noise.cpu_generator()}"
+    return line
 
 
 def results_header(cfg, device, **env_extra) -> dict:
     """The JSON's config, env and provenance sections."""
     env = {"fairseq": fairseq.__version__, "torch": torch.__version__, "python": platform.python_version(),
-           "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), **env_extra}
+           "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+           "cpu_noise_generator": noise.cpu_generator(), **env_extra}
     return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
             "env": env, "provenance": provenance()}

@@ -16,9 +16,10 @@ PLUGIN = REPO / "fairseq_modattn"
 
 
 def plugin_sources_hash() -> str:
-    """The first 16 hex digits of a SHA-256 over the plugin's .py files (path and bytes)."""
+    """The first 16 hex digits of a SHA-256 over the plugin's source files, .py and the C of
+    ``modules/native_normal.py`` (path and bytes)."""
     digest = hashlib.sha256()
-    for path in sorted(PLUGIN.rglob("*.py")):
+    for path in sorted([*PLUGIN.rglob("*.py"), *PLUGIN.rglob("*.c")]):
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 

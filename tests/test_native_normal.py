@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiers
-from fairseq_modattn.modules import native_normal
+from fairseq_modattn.modules import native_normal, noise
 
 MASK32 = 0xFFFFFFFF
 
@@ -118,9 +118,11 @@ def build_into(directory):
 
 
 @tiers.starts_processes
-def look_for_the_library():
-    """``library()`` as a fresh process finds it (it may run the compiler)."""
-    native_normal.reset()
+def look_for_the_library(monkeypatch):
+    """``library()`` as a fresh process finds it (it may run the compiler); the process's own
+    result comes back at the test's end (monkeypatch), so later tests do not look again."""
+    monkeypatch.setattr(native_normal, "_looked_for", False)
+    monkeypatch.setattr(native_normal, "_library", None)
     return native_normal.library()
 
 
@@ -188,23 +190,34 @@ def test_the_library_is_built_once_per_source_and_compiler(tmp_path):
     assert lib.modattn_normal_lanes(4) == 4
 
 
-@pytest.mark.parametrize("setting, message", [
-    ({native_normal.DISABLE_VARIABLE: "0"}, None),
-    ({"CC": "false", "PATH": ""}, "no C compiler"),
-    ({"CC": "false"}, "could not build philox_normal.c"),
+@pytest.mark.parametrize("setting, min_lanes, message", [
+    ({native_normal.DISABLE_VARIABLE: "0"}, None, None),
+    ({"CC": "false", "PATH": ""}, None, "no C compiler"),
+    ({"CC": "false"}, None, "could not build philox_normal.c"),
+    ({}, 32, "this CPU has no AVX2"),  # a CPU whose widest kernel is narrower than MIN_LANES
 ])
-def test_without_the_library_noise_falls_back_with_one_log_line(setting, message, tmp_path, monkeypatch, caplog):
+def test_without_the_library_noise_falls_back_with_one_log_line(setting, min_lanes, message, tmp_path, monkeypatch,
+                                                                 caplog):
     monkeypatch.setenv(native_normal.CACHE_VARIABLE, str(tmp_path / "cache"))
     for name, value in setting.items():
         monkeypatch.setenv(name, value)
-    try:
-        with caplog.at_level(logging.INFO, logger=native_normal.__name__):
-            assert look_for_the_library() is None
-            assert native_normal.library() is None  # looked for once
-        lines = [r.getMessage() for r in caplog.records if r.name == native_normal.__name__]
-        if message is None:
-            assert lines == []
-        else:
-            assert len(lines) == 1 and message in lines[0]
-    finally:
-        native_normal.reset()
+    if "CC" in setting:  # only $CC and cc: Python's own compiler may be an absolute path
+        monkeypatch.setattr(native_normal.sysconfig, "get_config_var", lambda name: None)
+    if min_lanes is not None:
+        monkeypatch.setattr(native_normal, "MIN_LANES", min_lanes)
+    with caplog.at_level(logging.INFO, logger=native_normal.__name__):
+        assert look_for_the_library(monkeypatch) is None
+        assert native_normal.library() is None  # looked for once
+    lines = [r.getMessage() for r in caplog.records if r.name == native_normal.__name__]
+    if message is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and message in lines[0]
+    assert not noise.uses_native(torch.device("cpu"))
+
+
+def test_the_fallbacks_leave_the_sessions_library_in_place():
+    # runs after them (a file's tests run in order): a later test that draws noise finds the
+    # library the session loaded and does not look again (the fast tier may not build it)
+    usable = LIBRARY is not None and LIBRARY.modattn_normal_lanes(0) >= native_normal.MIN_LANES
+    assert native_normal.library() is (LIBRARY if usable else None)

@@ -126,12 +126,6 @@ def _open() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def reset():
-    """Forget the loaded library, so that the next ``library()`` looks again (tests)."""
-    global _library, _looked_for
-    _library, _looked_for = None, False
-
-
 def fill(out: Tensor, key: int, scale: float = 1.0, base: Optional[Tensor] = None, lanes: int = 0) -> Tensor:
     """out = base + scale * N (base None: scale * N), N the first ``out.numel()`` values of the
     stream of ``key`` (0 <= key < 2^64) in memory order; ``out`` and ``base`` contiguous fp32 CPU

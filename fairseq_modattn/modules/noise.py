@@ -28,9 +28,8 @@ from .device_paths import path_device
 Layout = Tuple[torch.Size, torch.dtype, torch.device]
 
 
-def uses_native(device: Union[torch.device, str]) -> bool:
+def uses_native(device: torch.device) -> bool:
     """Whether draws for ``device`` take the native CPU generator (module docstring)."""
-    device = torch.device(device)
     return device.type == "cpu" and path_device(device) == "cpu" and native_normal.library() is not None
 
 
@@ -54,8 +53,9 @@ def native_draw(shape: Sequence[int], dtype: torch.dtype, device: torch.device, 
 
 def standard_normal(shape: Sequence[int], dtype: torch.dtype, device: Union[torch.device, str]) -> Tensor:
     """A contiguous tensor of standard normal values (module docstring: which generator)."""
+    device = torch.device(device)
     if uses_native(device):
-        return native_draw(shape, dtype, torch.device(device), draw_key())
+        return native_draw(shape, dtype, device, draw_key())
     return torch.randn(shape, dtype=dtype, device=device)
 
 

@@ -488,7 +488,7 @@ def test_inductor_gradients_of_the_query_gmm(torch_device):
     weights = [t.to(torch_device) for t in [torch.randn(3, 4, 13, 8) for _ in range(3)] + [torch.randn(3, 4, 13)]]
 
     def loss(u, logits, means, log_vars):
-        stats = dma_compiled.mixture_statistics(u, eps, logits, means, log_vars, cfg, True)
+        stats = dma_compiled.mixture_statistics(u, u + cfg.noise_scale * eps, logits, means, log_vars, cfg, True)
         return sum((s * w).sum() for s, w in zip(stats, weights))
 
     def gradients(fn):

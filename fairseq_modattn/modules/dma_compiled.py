@@ -49,7 +49,10 @@ eager module's autograd functions do. Left to itself, inductor's partitioner kep
 B x H x T x S fp32 tables a module (peak memory 1.55-2.28 x the transformer's on an H200, against
 eager's 1.26-1.42 x). Attention dropout's mask is drawn again from the saved generator state
 (AOTAutograd functionalises random ops in checkpointed regions). Only a forward that returns the
-per-head weights keeps one table besides them.
+per-head weights keeps one table besides them. Each sample is computed once and read by both its
+consumers: the projection and the token GMM (with "attention" sampling), and the attention and
+the query GMM (the sampled query q~). Two separate sums of the same values made backward keep the
+noise as well as the sample.
 
 Where ``torch.compile`` fails (no C++ compiler, an unsupported torch), the first failure is
 logged in one line and every DMA module runs eagerly from then on.
@@ -103,12 +106,14 @@ def _split(x: Tensor, heads: int, dim: int) -> Tensor:
 
 
 def mixture_statistics(
-    x: Tensor, eps: Optional[Tensor], logits: Tensor, means: Tensor, log_vars: Tensor, cfg: MathConfig,
+    x: Tensor, z: Optional[Tensor], logits: Tensor, means: Tensor, log_vars: Tensor, cfg: MathConfig,
     need_kl: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """J, LP, P (N, B, H, C) and the VaDE KL (N, B, H) of points x (N, B, H, d) sampled at
-    x + s eps, under the mixtures (G, C[, d]) with G = H or 1 (module docstring; the same
-    equations as ``gmm._MixtureStatistics``, whose backward autograd derives here)."""
+    z = x + s eps (None: at x), under the mixtures (G, C[, d]) with G = H or 1 (module docstring;
+    the same equations as ``gmm._MixtureStatistics``, whose backward autograd derives here).
+    The caller computes the sample: where the attention reads it too, one tensor serves both, so
+    that backward needs it and x, and not the noise as well."""
     s, dim = cfg.noise_scale, cfg.head_dim
     dtype = x.dtype
     logits, means, log_vars = logits.to(dtype), means.to(dtype), log_vars.to(dtype)
@@ -120,8 +125,7 @@ def mixture_statistics(
     log_norm = torch.log_softmax(logits, -1) - 0.5 * (
         log_vars.sum(-1) + (means * scaled_means).sum(-1) + dim * LOG_2PI
     )  # log N_c, (G, C)
-    z = x if eps is None else x + s * eps
-    zc = z.unsqueeze(-2)  # (N, B, H, 1, d) against the (G, C, d) parameters
+    zc = (x if z is None else z).unsqueeze(-2)  # (N, B, H, 1, d) against the (G, C, d) parameters
     log_joint = (zc * (scaled_means - 0.5 * zc * inv_var)).sum(-1) + log_norm
     log_post = torch.log_softmax(log_joint, -1)
     post = log_post.exp()
@@ -300,18 +304,19 @@ def dma_math(
     def sample(x: Tensor, noise: Tensor) -> Tensor:
         return x + s * noise if cfg.sample_attention else x
 
-    q = nn.functional.linear(sample(query, token_noise), wq, bq)
+    q_input = sample(query, token_noise)
+    q = nn.functional.linear(q_input, wq, bq)
     k_input = key if cfg.self_attention else sample(key, key_token_noise)
     k = nn.functional.linear(k_input, wk, bk)
     v = nn.functional.linear(value, wv, bv)
 
-    # the token GMM of each side's input (its clean input, sampled at x + s eps)
+    # the token GMM of each side's input (its clean input, sampled at x + s eps); with "attention"
+    # sampling the projection's input is that sample (the eager GMM is given it as its point)
     stats = []
-    for x, noise in sides:
-        eps = _split(noise, heads, dim) if cfg.sample_attention else noise
-        stats.append(
-            mixture_statistics(_split(x, heads, dim).to(dtype), eps.to(dtype), *token_gmm, cfg, cfg.need_aux)
-        )
+    for (x, noise), projected in zip(sides, (q_input, k_input)):
+        x_heads = _split(x, heads, dim).to(dtype)
+        z = _split(projected, heads, dim).to(dtype) if cfg.sample_attention else x_heads + s * noise.to(dtype)
+        stats.append(mixture_statistics(x_heads, z, *token_gmm, cfg, cfg.need_aux))
     q_stats, k_stats = stats[0], stats[-1]
 
     def heads_first(t: Tensor) -> Tensor:  # (N, B, H, *) -> (B, H, N, *)
@@ -321,14 +326,19 @@ def dma_math(
     k = heads_first(_split(k, heads, dim))
     v = heads_first(_split(v, heads, dim))
 
+    # the query sample q~ = (u + s eps') / scale, read by the attention and (scaled) by the query GMM
+    sampled_q = q if query_noise is None else q + query_noise * (s / cfg.query_gmm_scale)
+
+    def query_gmm_space(t: Tensor) -> Tensor:
+        return (t if cfg.query_gmm_scale == 1.0 else t * cfg.query_gmm_scale).to(dtype)
+
     aux: Tuple[Tensor, ...] = ()
     if cfg.need_aux:
         key_valid = ~key_padding
         query_valid = key_valid if cfg.self_attention else ~query_padding
-        u = q if cfg.query_gmm_scale == 1.0 else q * cfg.query_gmm_scale
-        u = u.to(dtype)
-        eps = None if query_noise is None else query_noise.to(dtype)
-        log_joint, log_post, query_post, query_kl = mixture_statistics(u, eps, *query_gmm, cfg, True)
+        u = query_gmm_space(q)
+        z_q = None if query_noise is None else query_gmm_space(sampled_q)
+        log_joint, log_post, query_post, query_kl = mixture_statistics(u, z_q, *query_gmm, cfg, True)
         token_post = heads_first(q_stats[2])
         kl = _token_mean(heads_first(q_stats[3]), query_valid, cfg.per_sentence)
         div = diversity_penalty(token_post, query_valid, cfg.div_form, cfg.per_sentence)
@@ -346,12 +356,10 @@ def dma_math(
             div + diversity_penalty(query_post, query_valid, cfg.div_form, cfg.per_sentence),
         )
 
-    if query_noise is not None:  # q~ = (u + s eps') / scale
-        q = q + query_noise * (s / cfg.query_gmm_scale)
     # recomputed in backward (module docstring, "Memory"), as the eager module's attention is
     out, weights = checkpoint(
-        interpolated_attention, q, k, v, heads_first(q_stats[2]), heads_first(k_stats[2]), attn_mask, key_padding,
-        gamma, cfg.dropout, use_reentrant=False,
+        interpolated_attention, sampled_q, k, v, heads_first(q_stats[2]), heads_first(k_stats[2]), attn_mask,
+        key_padding, gamma, cfg.dropout, use_reentrant=False,
     )
     out = nn.functional.linear(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed), wo, bo)
     if cfg.weights == "none":

@@ -38,11 +38,12 @@ def pytest_addoption(parser):
 
 
 def pytest_sessionstart(session):
-    # DMA's CPU noise generator is compiled on first use (modules/native_normal.py): built here,
-    # before the fast tier's tests, which may not start a process (the compiler)
-    from fairseq_modattn.modules import native_normal
+    # DMA's CPU noise generator and GMM kernels are compiled on first use (modules/native_build.py):
+    # built here, before the fast tier's tests, which may not start a process (the compiler)
+    from fairseq_modattn.modules import native_mixture, native_normal
 
     native_normal.library()
+    native_mixture.library()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the tier markers given here

@@ -4,12 +4,13 @@ how it is built, found and refused."""
 
 import logging
 import math
+import subprocess
 
 import pytest
 import torch
 
 import tiers
-from fairseq_modattn.modules import native_normal, noise
+from fairseq_modattn.modules import native_build, native_normal, noise
 
 MASK32 = 0xFFFFFFFF
 
@@ -97,7 +98,7 @@ def _library_regardless_of_width():
     cc = native_normal.compiler()
     try:
         return None if cc is None else native_normal.load(native_normal.build(native_normal.cache_dir(), cc))
-    except (OSError, native_normal.subprocess.SubprocessError):  # the tests that need it skip
+    except (OSError, subprocess.SubprocessError):  # the tests that need it skip
         return None
 
 
@@ -205,7 +206,7 @@ def test_without_the_library_noise_falls_back_with_one_log_line(setting, min_lan
     for name, value in setting.items():
         monkeypatch.setenv(name, value)
     if "CC" in setting:  # only $CC and cc: Python's own compiler may be an absolute path
-        monkeypatch.setattr(native_normal.sysconfig, "get_config_var", lambda name: None)
+        monkeypatch.setattr(native_build.sysconfig, "get_config_var", lambda name: None)
     if min_lanes is not None:
         monkeypatch.setattr(native_normal, "MIN_LANES", min_lanes)
     with caplog.at_level(logging.INFO, logger=native_normal.__name__):

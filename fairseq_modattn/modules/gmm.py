@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from . import blocking
+from . import blocking, native_mixture
 from .device_paths import path_device
 from .noise import standard_normal
 from .precision import at_least_fp32
@@ -126,8 +126,9 @@ def mixture_statistics(
     log_norm: Tensor,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """J, LP, P, KL and T + d log(2 pi) / 2 of ``_MixtureStatistics`` (whose docstring gives the
-    equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own. The
-    passes over the points run block by block on the CPU (``blocking.point_blocks``)."""
+    equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own. fp32 on
+    the CPU takes the C kernels (``native_mixture``); otherwise matmuls, whose passes over the
+    points run block by block on the CPU (``blocking.point_blocks``)."""
     groups, num_points, dim = point.shape
     offset = None
     if need_kl:
@@ -135,6 +136,9 @@ def mixture_statistics(
         # the constant leaves the KL once, as sum_c P = 1
         trace = inv_var.sum(-1).unsqueeze(-2)
         offset = torch.add(log_norm, trace, alpha=-0.5 * noise_var)
+    kl_const = 0.5 * dim * (LOG_2PI + 1.0 + math.log(noise_var)) if need_kl else 0.0
+    if native_mixture.available(point, inv_var.size(1)) and x.stride(-1) == 1:
+        return native_mixture.forward(x, point, scale, kl_const, need_kl, inv_var, scaled_means, log_norm, offset)
     # each block's (G, m, C) results are new tensors, joined after the loop: written into a slice
     # of the whole, torch's CPU baddbmm would run group by group
     joints, all_terms = [], []
@@ -153,7 +157,7 @@ def mixture_statistics(
     kl = None
     if terms is not None:
         terms.add_(log_post)
-        kl = (post * terms).sum(-1).sub_(0.5 * dim * (LOG_2PI + 1.0 + math.log(noise_var)))
+        kl = (post * terms).sum(-1).sub_(kl_const)
     return log_joint, log_post, post, kl, terms
 
 
@@ -192,9 +196,10 @@ class _MixtureStatistics(torch.autograd.Function):
 
     summed over both points by matmuls. The backward keeps x, z and T (C values a point) and
     rebuilds z*z and x*x; the mean's gradient is multiplied by c_grad here (fairseq's
-    ``GradMultiply``, folded in to save its two calls). Forward and backward pass over the points
-    block by block on the CPU (``blocking.point_blocks``), so that all but a block's first pass
-    read the cache; the point gradients are laid out like the points.
+    ``GradMultiply``, folded in to save its two calls). fp32 on the CPU, forward and backward
+    are one pass over the points each by the C kernels (``native_mixture``); the matmul path
+    passes over them block by block on the CPU (``blocking.point_blocks``), so that all but a
+    block's first pass read the cache. The point gradients are laid out like the points.
 
     The caller's z is x + c eps with eps constant (``DiagonalGMM.forward``'s contract), so
     d z / d x = I and the loss's gradient reaches x as dx + dz whichever input carries dz: where
@@ -230,68 +235,19 @@ class _MixtureStatistics(torch.autograd.Function):
         x, point, logits, means, inv_var, scaled_means, post, terms = ctx.saved_tensors
         if terms is not None and x is None:
             x = ctx.mean_of(point)
-        a = ctx.scale
         needs = ctx.needs_input_grad
-        dim = point.size(-1)
-        # G^LP' = G^LP + P (G^P + G^KL (T + 1)); ``terms`` is T + d log(2 pi) / 2. Any incoming
-        # gradient may be None (an output that reached no loss).
-        weighted_kl = None  # G^KL P = 2 dD(a x), (G, M, C)
-        grad_lp = None
-        if grad_kl is not None and terms is not None:
-            grad_kl = grad_kl.unsqueeze(-1)
-            weighted_kl = post * grad_kl
-            shifted = grad_kl * (1.0 - 0.5 * dim * LOG_2PI) if grad_post is None else torch.add(
-                grad_post, grad_kl, alpha=1.0 - 0.5 * dim * LOG_2PI
-            )
-            grad_lp = torch.addcmul(shifted, grad_kl, terms).mul_(post)
-        elif grad_post is not None:
-            grad_lp = post * grad_post
-        if grad_log_post is not None:
-            grad_lp = grad_log_post if grad_lp is None else grad_lp.add_(grad_log_post)
-        # G^J' = -2 dD(a z) (log-softmax backward)
-        if grad_lp is None:
-            grad_j = grad_joint if grad_joint is not None else torch.zeros_like(post)
+        if native_mixture.available(point, post.size(-1)) and (x is None or x.stride(-1) == 1):
+            grad_x, grad_point, weight, kl_weight, first, second = native_mixture.backward(
+                x, point, ctx.scale, 1.0 - 0.5 * point.size(-1) * LOG_2PI, inv_var, scaled_means, post, terms,
+                grad_joint, grad_log_post, grad_post, grad_kl, needs[0], needs[1], needs[3] or needs[4], needs[4])
         else:
-            grad_j = torch.addcmul(grad_lp, post, grad_lp.sum(-1, keepdim=True), value=-1.0)
-            if grad_joint is not None:
-                grad_j.add_(grad_joint)
-        grad_x = grad_point = grad_logits = grad_means = grad_log_vars = None
-        # the column sums of 2 dD over both points: -d log pi and 2 d(sum_d log sigma^2)
-        weight = grad_j.sum(1).neg_() if weighted_kl is None else (weighted_kl - grad_j).sum(1)  # (G, C)
+            grad_x, grad_point, weight, kl_weight, first, second = _point_gradients_and_sums(
+                ctx.scale, x, point, inv_var, scaled_means, post, terms, grad_joint, grad_log_post, grad_post,
+                grad_kl, needs)
+        grad_logits = grad_means = grad_log_vars = None
         if needs[2]:
             log_pi = torch.log_softmax(logits, dim=-1)
             grad_logits = torch.ops.aten._log_softmax_backward_data(weight, log_pi, -1, weight.dtype).neg_()
-        # Each point gradient (``_point_gradient``) is a target (result, T, alpha, terms): the
-        # sampled points' term weighs G^J' with sign -1, the means' G^KL P with +1. dx + dz is one
-        # result where both are needed (class docstring). Results are laid out like the points, so
-        # that they reach the caller's activation as a view.
-        sampled_terms = [(grad_j, point, -1.0)]
-        mean_terms = [] if weighted_kl is None else [(weighted_kl, x, 1.0)]
-        targets = []
-        if needs[0] and needs[1]:
-            grad_x = torch.empty_like(point)
-            targets.append((grad_x, grad_j if weighted_kl is None else grad_j - weighted_kl, a,
-                            sampled_terms + mean_terms))
-        else:
-            if needs[1]:
-                grad_point = torch.empty_like(point)
-                targets.append((grad_point, grad_j, a, sampled_terms))
-            if needs[0] and weighted_kl is not None:
-                grad_x = torch.empty_like(point)
-                targets.append((grad_x, weighted_kl, -a, mean_terms))
-        # first = sum_i 2 dD_ic u_i and second = sum_i 2 dD_ic u_i^2 over both points (u = a z, a x)
-        moments = sampled_terms + mean_terms if needs[3] or needs[4] else []
-        first = second = None
-        groups, num_points, _ = point.shape
-        for block in blocking.point_blocks(num_points, groups * dim, path_device(point)):
-            for result, towards_means, alpha, terms in targets:
-                _point_gradient(towards_means[:, block], alpha, [(g[:, block], p[:, block], v) for g, p, v in terms],
-                                a, inv_var, scaled_means, result[:, block])
-            for grad, points, sign in moments:
-                g_t, u = grad[:, block].transpose(1, 2), points[:, block]
-                first = _accumulate_product(first, g_t, u, sign * a)
-                if needs[4]:
-                    second = _accumulate_product(second, g_t, u * u, sign * a * a)
         if first is not None:
             weight3 = weight.unsqueeze(-1)
             if needs[3]:
@@ -300,11 +256,77 @@ class _MixtureStatistics(torch.autograd.Function):
             if second is not None:
                 # 2 d sigma^-2 = sum_i 2 dD (u_i - mu)^2 = second - 2 mu first + mu^2 weight, plus the
                 # trace's s^2 sum_i G^KL P; d log sigma^2 = weight / 2 - sigma^-2 (d sigma^-2)
-                if weighted_kl is not None:
-                    second.add_(weighted_kl.sum(1).unsqueeze(-1), alpha=ctx.noise_var)
+                if kl_weight is not None:
+                    second.add_(kl_weight.unsqueeze(-1), alpha=ctx.noise_var)
                 second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
                 grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
         return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None
+
+
+def _point_gradients_and_sums(a, x, point, inv_var, scaled_means, post, terms, grad_joint, grad_log_post, grad_post,
+                              grad_kl, needs):
+    """``_MixtureStatistics._backward``'s passes over the points, by matmuls (the native kernel's
+    counterpart): (grad_x, grad_point, weight, kl_weight, first, second) as
+    ``native_mixture.backward`` returns them."""
+    dim = point.size(-1)
+    # G^LP' = G^LP + P (G^P + G^KL (T + 1)); ``terms`` is T + d log(2 pi) / 2. Any incoming
+    # gradient may be None (an output that reached no loss).
+    weighted_kl = None  # G^KL P = 2 dD(a x), (G, M, C)
+    grad_lp = None
+    if grad_kl is not None and terms is not None:
+        grad_kl = grad_kl.unsqueeze(-1)
+        weighted_kl = post * grad_kl
+        shifted = grad_kl * (1.0 - 0.5 * dim * LOG_2PI) if grad_post is None else torch.add(
+            grad_post, grad_kl, alpha=1.0 - 0.5 * dim * LOG_2PI
+        )
+        grad_lp = torch.addcmul(shifted, grad_kl, terms).mul_(post)
+    elif grad_post is not None:
+        grad_lp = post * grad_post
+    if grad_log_post is not None:
+        grad_lp = grad_log_post if grad_lp is None else grad_lp.add_(grad_log_post)
+    # G^J' = -2 dD(a z) (log-softmax backward)
+    if grad_lp is None:
+        grad_j = grad_joint if grad_joint is not None else torch.zeros_like(post)
+    else:
+        grad_j = torch.addcmul(grad_lp, post, grad_lp.sum(-1, keepdim=True), value=-1.0)
+        if grad_joint is not None:
+            grad_j.add_(grad_joint)
+    grad_x = grad_point = None
+    # the column sums of 2 dD over both points: -d log pi and 2 d(sum_d log sigma^2)
+    weight = grad_j.sum(1).neg_() if weighted_kl is None else (weighted_kl - grad_j).sum(1)  # (G, C)
+    kl_weight = weighted_kl.sum(1) if weighted_kl is not None and needs[4] else None  # for the trace's term
+    # Each point gradient (``_point_gradient``) is a target (result, T, alpha, terms): the
+    # sampled points' term weighs G^J' with sign -1, the means' G^KL P with +1. dx + dz is one
+    # result where both are needed (class docstring). Results are laid out like the points, so
+    # that they reach the caller's activation as a view.
+    sampled_terms = [(grad_j, point, -1.0)]
+    mean_terms = [] if weighted_kl is None else [(weighted_kl, x, 1.0)]
+    targets = []
+    if needs[0] and needs[1]:
+        grad_x = torch.empty_like(point)
+        targets.append((grad_x, grad_j if weighted_kl is None else grad_j - weighted_kl, a,
+                        sampled_terms + mean_terms))
+    else:
+        if needs[1]:
+            grad_point = torch.empty_like(point)
+            targets.append((grad_point, grad_j, a, sampled_terms))
+        if needs[0] and weighted_kl is not None:
+            grad_x = torch.empty_like(point)
+            targets.append((grad_x, weighted_kl, -a, mean_terms))
+    # first = sum_i 2 dD_ic u_i and second = sum_i 2 dD_ic u_i^2 over both points (u = a z, a x)
+    moments = sampled_terms + mean_terms if needs[3] or needs[4] else []
+    first = second = None
+    groups, num_points, _ = point.shape
+    for block in blocking.point_blocks(num_points, groups * dim, path_device(point)):
+        for result, towards_means, alpha, terms in targets:
+            _point_gradient(towards_means[:, block], alpha, [(g[:, block], p[:, block], v) for g, p, v in terms],
+                            a, inv_var, scaled_means, result[:, block])
+        for grad, points, sign in moments:
+            g_t, u = grad[:, block].transpose(1, 2), points[:, block]
+            first = _accumulate_product(first, g_t, u, sign * a)
+            if needs[4]:
+                second = _accumulate_product(second, g_t, u * u, sign * a * a)
+    return grad_x, grad_point, weight, kl_weight, first, second
 
 
 def _point_gradient(towards_means: Tensor, alpha: float, terms: List[Tuple[Tensor, Tensor, float]], a: float,

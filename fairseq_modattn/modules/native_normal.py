@@ -3,10 +3,8 @@
 DMA draws as many Gaussian noise values as its layers have activations. torch's CPU generator
 draws them one at a time (~3.4 ns a value, ~7 ms for 4096 x 512); ``philox_normal.c`` computes
 Philox4x32-10 and Box-Muller in vector registers (~4 ms with AVX-512, docs/design.md, "Noise").
-It is plain C with no Python or torch headers: compiling it takes well under a second, so it is
-built where it runs, once per source and compiler, into ``$XDG_CACHE_HOME/fairseq_modattn``
-(``~/.cache/fairseq_modattn``), and loaded with ctypes. The library is written to a temporary
-name and renamed into place, so processes that build it at once each get a whole file.
+It is plain C with no Python or torch headers, built where it runs on first use and loaded
+with ctypes (``native_build``).
 
 Where no compiler or cache directory is usable, or ``FAIRSEQ_MODATTN_NATIVE_NOISE=0`` is set,
 ``library()`` is None and ``noise`` draws with torch's generator instead (one log line says
@@ -14,19 +12,15 @@ why): the same distribution, other values for a given seed.
 """
 
 import ctypes
-import hashlib
 import logging
-import os
-import shlex
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from . import native_build
+from .native_build import CACHE_VARIABLE, cache_dir, compiler  # noqa: F401 (this module's interface)
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +30,6 @@ SOURCE = Path(__file__).with_name("philox_normal.c")
 FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi")
 #: set to 0 to draw DMA's noise with torch's generator on the CPU too
 DISABLE_VARIABLE = "FAIRSEQ_MODATTN_NATIVE_NOISE"
-#: set to a directory to build the library there instead of the user's cache
-CACHE_VARIABLE = "FAIRSEQ_MODATTN_CACHE"
 #: the narrowest kernel worth taking over torch's generator: 8 lanes (AVX2) draw 4096 x 512
 #: values in ~6.3 ms against torch's ~7.1 ms, 16 (AVX-512) in ~3.0 ms; 4 lanes take ~13 ms
 MIN_LANES = 8
@@ -46,45 +38,9 @@ _looked_for = False
 _library: Optional[ctypes.CDLL] = None
 
 
-def compiler() -> Optional[list]:
-    """The C compiler's command: $CC, else the one Python was built with, else cc; None if none
-    is on PATH."""
-    for command in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
-        if command:
-            words = shlex.split(command)
-            if words and shutil.which(words[0]):
-                return words
-    return None
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get(CACHE_VARIABLE)
-    if explicit:
-        return Path(explicit)
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "fairseq_modattn"
-
-
 def build(directory: Path, cc: list) -> Path:
-    """The compiled library in ``directory``, built unless it is there (named by a hash of the
-    source, the compiler's version and the flags). OSError or CalledProcessError on failure."""
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = directory / f"philox_normal-{digest}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=directory)
-    os.close(handle)
-    try:
-        subprocess.run([*cc, *FLAGS, "-o", partial, str(SOURCE)], check=True, capture_output=True, text=True,
-                       timeout=120)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
+    """The compiled generator in ``directory`` (``native_build.build``)."""
+    return native_build.build(SOURCE, FLAGS, directory, cc)
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -106,19 +62,10 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def _open() -> Optional[ctypes.CDLL]:
-    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
-        return None
-    cc = compiler()
-    if cc is None:
-        logger.info("no C compiler on PATH (CC, cc): DMA's noise is drawn with torch's CPU generator, "
-                    "which is slower (docs/design.md, \"Noise\")")
-        return None
-    try:
-        lib = load(build(cache_dir(), cc))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = str(getattr(error, "stderr", None) or error).strip()
-        logger.info("could not build %s (%s): DMA's noise is drawn with torch's CPU generator, which is slower",
-                    SOURCE.name, detail.splitlines()[-1] if detail else type(error).__name__)
+    lib = native_build.open_library(SOURCE, build, load, DISABLE_VARIABLE, logger,
+                                    "DMA's noise is drawn with torch's CPU generator, which is slower "
+                                    "(docs/design.md, \"Noise\")")
+    if lib is None:
         return None
     if lib.modattn_normal_lanes(0) < MIN_LANES:
         logger.info("this CPU has no AVX2: DMA's noise is drawn with torch's CPU generator, as fast here")

@@ -110,10 +110,10 @@ needs_library = pytest.mark.skipif(native_normal.library() is None,
                                    reason="the native noise library is not available here (see its log line)")
 
 
-def fill_with(lanes, out, key, scale=1.0, base=None):
+def fill_with(lanes, out, key, scale=1.0, base=None, parts=None):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native_normal, "library", lambda: LIBRARY)
-        return native_normal.fill(out, key, scale, base, lanes)
+        return native_normal.fill(out, key, scale, base, lanes, parts)
 
 
 @tiers.starts_processes
@@ -141,6 +141,24 @@ def test_every_kernel_width_gives_the_reference_stream_bit_for_bit(lanes, n):
     assert torch.equal(shifted, base + reference_stream(key, n, 0.375))
     in_place = base.clone()
     assert torch.equal(fill_with(lanes, in_place, key, 0.375, in_place), shifted)
+
+
+@pytest.mark.skipif(not WIDTHS, reason="the native noise library is not available here")
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+@pytest.mark.parametrize("n", [1000, 4096 + 37])
+def test_the_parts_of_a_draw_give_the_reference_stream_bit_for_bit(parts, n):
+    """The blocks of a draw run in parts on OpenMP's threads: any number of parts, also more
+    than blocks or threads, gives the stream's values."""
+    key = 0x0FED_CBA9_8765_4321
+    base = torch.randn(n)
+    drawn = fill_with(WIDTHS[0], torch.empty(n), key, 0.5, base, parts)
+    assert torch.equal(drawn, base + reference_stream(key, n, 0.5))
+
+
+def test_large_draws_take_torchs_threads(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert native_normal.draw_parts(4096 * 512) == 2
+    assert native_normal.draw_parts(1000) == 1
 
 
 @pytest.mark.skipif(len(WIDTHS) < 2, reason="one kernel width on this CPU")

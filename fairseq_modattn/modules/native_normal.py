@@ -34,19 +34,23 @@ DISABLE_VARIABLE = "FAIRSEQ_MODATTN_NATIVE_NOISE"
 #: values in ~6.3 ms against torch's ~7.1 ms, 16 (AVX-512) in ~3.0 ms; 4 lanes take ~13 ms
 MIN_LANES = 8
 
+#: values a part draws at least: below, waking a thread costs more than its share
+MIN_PART = 1 << 16
+
 _looked_for = False
 _library: Optional[ctypes.CDLL] = None
 
 
 def build(directory: Path, cc: list) -> Path:
-    """The compiled generator in ``directory`` (``native_build.build``)."""
-    return native_build.build(SOURCE, FLAGS, directory, cc)
+    """The compiled generator in ``directory`` (``native_build.build``), its blocks drawn in
+    parts on torch's OpenMP threads where they can be (``native_build.openmp_flags``)."""
+    return native_build.build(SOURCE, FLAGS + native_build.openmp_flags(cc), directory, cc)
 
 
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.modattn_normal.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
-                                   ctypes.c_float, ctypes.c_int]
+                                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.modattn_normal.restype = ctypes.c_int
     lib.modattn_normal_lanes.argtypes = [ctypes.c_int]
     lib.modattn_normal_lanes.restype = ctypes.c_int
@@ -73,11 +77,18 @@ def _open() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def fill(out: Tensor, key: int, scale: float = 1.0, base: Optional[Tensor] = None, lanes: int = 0) -> Tensor:
+def draw_parts(count: int) -> int:
+    """How many threads draw ``count`` values at once: torch's number, fewer for small draws."""
+    return max(1, min(torch.get_num_threads(), count // MIN_PART))
+
+
+def fill(out: Tensor, key: int, scale: float = 1.0, base: Optional[Tensor] = None, lanes: int = 0,
+         parts: Optional[int] = None) -> Tensor:
     """out = base + scale * N (base None: scale * N), N the first ``out.numel()`` values of the
     stream of ``key`` (0 <= key < 2^64) in memory order; ``out`` and ``base`` contiguous fp32 CPU
     tensors of one size (``base`` may be ``out``). ``lanes``: the kernel's width (0: the widest
-    this CPU runs). Needs ``library()``."""
+    this CPU runs); ``parts``: how many threads draw at once (None: ``draw_parts``; the values
+    do not depend on it). Needs ``library()``."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"{SOURCE.name} is not available (see the log)")
@@ -89,7 +100,7 @@ def fill(out: Tensor, key: int, scale: float = 1.0, base: Optional[Tensor] = Non
         raise ValueError(f"base has {base.numel()} values for out's {out.numel()}")
     with torch.profiler.record_function("fairseq_modattn::philox_normal"):
         used = lib.modattn_normal(out.data_ptr(), None if base is None else base.data_ptr(), out.numel(), key,
-                                  scale, lanes)
+                                  scale, lanes, draw_parts(out.numel()) if parts is None else parts)
     if used == 0:
         raise ValueError(f"this CPU has no {lanes}-lane kernel")
     return out

@@ -170,13 +170,17 @@ int modattn_normal_lanes(int lanes) {
 
 /* out[i] = base[i] + scale * N_i for i < n (base NULL: scale * N_i), N_i the i-th value of the
  * stream of `key` (file comment); out and base are dense float arrays, which may be the same.
- * `lanes`: the kernel's width, 0 for the widest. Returns the width used, 0 if none. */
-int modattn_normal(float *out, const float *base, int64_t n, uint64_t key, float scale, int lanes) {
+ * `lanes`: the kernel's width, 0 for the widest. The blocks run in `parts` parts at once on
+ * OpenMP's threads where the library is built with -fopenmp (torch's own threads,
+ * native_build.openmp_flags); each block's values are fixed by its counter alone, so the parts
+ * change no value. Returns the width used, 0 if none. */
+int modattn_normal(float *out, const float *base, int64_t n, uint64_t key, float scale, int lanes, int parts) {
     int chosen;
     block_kernel kernel = kernel_for(lanes, &chosen);
     if (!kernel) return 0;
     const int64_t per_block = 4 * LANES_PER_BLOCK;
     int64_t full = n / per_block;
+#pragma omp parallel for num_threads(parts) schedule(static)
     for (int64_t b = 0; b < full; b++)
         kernel(out + b * per_block, base ? base + b * per_block : 0, (uint64_t)b, key, scale);
     int64_t rest = n - full * per_block;

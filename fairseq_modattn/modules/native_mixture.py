@@ -102,7 +102,7 @@ def available(points: Tensor, num_clusters: int) -> bool:
 def _parts(num_points: int) -> int:
     """How many parts of the points run at once: torch's number of threads, fewer for few points.
     The parts run on OpenMP's threads, which are torch's own where its CPU operators use OpenMP
-    (``FLAGS``)."""
+    (``flags``); a library built without OpenMP runs them as one part."""
     return max(1, min(torch.get_num_threads(), num_points // MIN_PART))
 
 

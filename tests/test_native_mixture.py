@@ -172,6 +172,31 @@ def test_a_gmm_with_more_clusters_than_the_kernels_take_keeps_the_matmuls():
 
 
 @tiers.starts_processes
+def build_into(directory):
+    return native_mixture.build(directory, native_build.compiler())
+
+
+def test_the_kernels_build_from_scratch_and_match_the_sessions_library(tmp_path):
+    """A fresh build (the session's may come from the cache) loads, and gives the same bits."""
+    if LIBRARY is None:
+        pytest.skip("the native GMM kernels are not available here")
+    path = build_into(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no partial file left behind
+    fresh = native_mixture.load(path)
+    gen = torch.Generator().manual_seed(2)
+    points = torch.randn(2, 4000, 16, generator=gen)
+    gmm = DiagonalGMM(3, 16, 2)
+    constants = gmm_module.mixture_constants(gmm.logits.detach(), gmm.means.detach(), gmm.log_vars.detach())
+    results = []
+    for lib in (LIBRARY, fresh):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(native_mixture, "_library", lib)
+            results.append(native_mixture.forward(points, points + 0.1, 1.0, 0.5, True, *constants, constants[2]))
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
+
+
+@tiers.starts_processes
 def look_for_the_library(monkeypatch):
     """``library()`` as a fresh process finds it (it may run the compiler); the session's result
     comes back at the test's end (monkeypatch)."""

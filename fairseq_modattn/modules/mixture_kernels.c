@@ -1,7 +1,7 @@
 /* The diagonal GMM's per-point passes on the CPU, forward and backward (native_mixture.py).
  *
  * Why: gmm._MixtureStatistics clusters (G, M, d) points with C clusters by matmuls against the
- * (C, d) parameters. At DMA's sizes (d = 128, C = 4) those products are thin, and a GMM's forward
+ * (C, d) parameters. At DMA's sizes (d = 128, C = 4-8) those products are thin, and a GMM's forward
  * and backward made ~20 passes over its points, each a separate torch call that streams a tensor
  * as large as a layer's input (docs/design.md, "The GMMs on the CPU"). Here each point is read
  * once a direction: everything a point contributes is computed while its d values are in
@@ -24,7 +24,7 @@
  * results do not depend on the other points (incremental decoding gives the full forward's
  * values). Loops over k are `omp simd` reductions, compiled for AVX-512, AVX2 and baseline x86-64
  * by target_clones, chosen at load time. The points run in parts on OpenMP's threads where the
- * library is built with -fopenmp: torch's own libgomp threads (native_mixture.flags says why).
+ * library is built with -fopenmp: torch's own libgomp threads (native_build.openmp_flags says why).
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,8 +1,10 @@
 """Shared fixtures: the real Multi30k corpus (from ../shared/data, or --shared-data=PATH),
 cut to a few hundred lines, tokenised, BPE'd and binarised by the real fairseq-preprocess."""
 
+import fcntl
 import gzip
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -44,6 +46,13 @@ def pytest_sessionstart(session):
 
     native_normal.library()
     native_mixture.library()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one worker per core (pyproject's -n): torch's default of a thread per core in every
+        # worker puts two spinning OpenMP teams on each core, and the fast tier then took 1.5 x
+        # longer on 2 workers than on one process
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the tier markers given here
@@ -59,9 +68,15 @@ def pytest_report_collectionfinish(config, items):
 
 @pytest.fixture(autouse=True)
 def _fast_tier_starts_no_process(request, monkeypatch):
-    """A fast test that starts a process fails: its helper belongs to the e2e tier (tiers.py)."""
-    if request.node.get_closest_marker(tiers.FAST):
-        tiers.forbid_processes(monkeypatch)
+    """A fast test that starts a process fails: its helper belongs to the e2e tier (tiers.py).
+    It fails even where the code under test caught the refusal and went on."""
+    if not request.node.get_closest_marker(tiers.FAST):
+        yield
+        return
+    refused = tiers.forbid_processes(monkeypatch)
+    yield
+    if refused:
+        pytest.fail(tiers.refused_starts_message(refused), pytrace=False)
 
 
 TIER_COUNTS = pytest.StashKey[dict]()
@@ -103,6 +118,30 @@ def run_cli(args, cwd=None, input_text=None, timeout=600, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"{args[0]} exited {proc.returncode}:\n{output[-6000:]}")
     return proc.returncode, output
+
+
+def once_per_run(tmp_path_factory, name: str, build) -> Path:
+    """The folder NAME, filled by ``build(folder)`` once per test run and shared by all its tests.
+
+    Under pytest-xdist every worker is a process of its own with its own session fixtures, so a
+    session fixture would build its data-bin or train its models once per worker. The workers'
+    temporary folders lie in the run's one base folder: the first worker to get here builds there
+    under a file lock, and the others wait for it and reuse what it built. A build that failed
+    leaves no marker, so the next worker tries again and reports its own failure."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    run_root = tmp_path_factory.getbasetemp().parent
+    folder, done = run_root / name, run_root / f"{name}.done"
+    with open(run_root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
 
 
 @tiers.needs_shared_corpus
@@ -161,32 +200,33 @@ def bpe_codes(data_bin) -> Path:
 @pytest.fixture(scope="session")
 def multi30k_bin(multi30k_dir, tmp_path_factory) -> Path:
     """A de-en data-bin of 500/100/300 real Multi30k sentence pairs with an 800-merge BPE."""
-    from sacremoses import MosesTokenizer
-    from subword_nmt.apply_bpe import BPE
-    from subword_nmt.learn_bpe import learn_bpe
 
-    work = tmp_path_factory.mktemp("multi30k")
-    tokenized = {}
-    for split, (stem, count) in SPLITS.items():
-        for lang in ("de", "en"):
-            tok = MosesTokenizer(lang=lang)
-            with gzip.open(multi30k_dir / f"{stem}.{lang}.gz", "rt", encoding="utf-8") as f:
-                lines = [next(f).strip() for _ in range(count)]
-            tokenized[split, lang] = [tok.tokenize(s.lower(), return_str=True, escape=False) for s in lines]
-    codes = work / "codes"
-    with open(codes, "w", encoding="utf-8") as out:
-        learn_bpe(tokenized["train", "de"] + tokenized["train", "en"], out, 800)
-    with open(codes, encoding="utf-8") as f:
-        bpe = BPE(f)
-    for (split, lang), lines in tokenized.items():
-        (work / f"{split}.bpe.{lang}").write_text("".join(bpe.process_line(s) + "\n" for s in lines))
-    destdir = work / "bin"
-    run_cli([
-        fairseq_cli("fairseq-preprocess"), "--source-lang", "de", "--target-lang", "en",
-        "--trainpref", work / "train.bpe", "--validpref", work / "valid.bpe", "--testpref", work / "test.bpe",
-        "--destdir", destdir, "--joined-dictionary", "--workers", "1",
-    ])
-    return destdir
+    def build(work: Path):
+        from sacremoses import MosesTokenizer
+        from subword_nmt.apply_bpe import BPE
+        from subword_nmt.learn_bpe import learn_bpe
+
+        tokenized = {}
+        for split, (stem, count) in SPLITS.items():
+            for lang in ("de", "en"):
+                tok = MosesTokenizer(lang=lang)
+                with gzip.open(multi30k_dir / f"{stem}.{lang}.gz", "rt", encoding="utf-8") as f:
+                    lines = [next(f).strip() for _ in range(count)]
+                tokenized[split, lang] = [tok.tokenize(s.lower(), return_str=True, escape=False) for s in lines]
+        codes = work / "codes"
+        with open(codes, "w", encoding="utf-8") as out:
+            learn_bpe(tokenized["train", "de"] + tokenized["train", "en"], out, 800)
+        with open(codes, encoding="utf-8") as f:
+            bpe = BPE(f)
+        for (split, lang), lines in tokenized.items():
+            (work / f"{split}.bpe.{lang}").write_text("".join(bpe.process_line(s) + "\n" for s in lines))
+        run_cli([
+            fairseq_cli("fairseq-preprocess"), "--source-lang", "de", "--target-lang", "en",
+            "--trainpref", work / "train.bpe", "--validpref", work / "valid.bpe", "--testpref", work / "test.bpe",
+            "--destdir", work / "bin", "--joined-dictionary", "--workers", "1",
+        ])
+
+    return once_per_run(tmp_path_factory, "multi30k", build) / "bin"
 
 
 # Tiny models of every family, for the analysis tests: 2+2 layers (TIM: 4+2) of width 64 with
@@ -224,14 +264,14 @@ def tiny_train_args(family: str, epoch_checkpoints: bool = False):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(multi30k_bin, tmp_path_factory):
     """{family: checkpoint_last.pt} of tiny transformer, DMA, TIM and RIM-LSTM models (12 updates)."""
-    root = tmp_path_factory.mktemp("tiny_checkpoints")
-    paths = {}
-    for family in TINY_MODELS:
-        save = root / family
-        run_cli([fairseq_cli("fairseq-train"), multi30k_bin, *tiny_train_args(family), "--max-update", "12",
-                 "--save-dir", save])
-        paths[family] = save / "checkpoint_last.pt"
-    return paths
+
+    def build(root: Path):
+        for family in TINY_MODELS:
+            run_cli([fairseq_cli("fairseq-train"), multi30k_bin, *tiny_train_args(family), "--max-update", "12",
+                     "--save-dir", root / family])
+
+    root = once_per_run(tmp_path_factory, "tiny_checkpoints", build)
+    return {family: root / family / "checkpoint_last.pt" for family in TINY_MODELS}
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,7 @@ def test_ci_runs_the_readme_install_and_test_commands():
     test = re.search(r"^## Test\n.*?```bash\n(.*?)```", readme, re.MULTILINE | re.DOTALL).group(1)
     commands = _code_lines(install) + _code_lines(test)
     assert "ruff check ." in commands and "mypy" in commands
-    assert commands.index("mypy") < commands.index("python -m pytest -q --require-shared-data")
+    assert commands.index("mypy") < commands.index("python -m pytest -q --require-shared-data --durations=25")
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
     positions = [ci.index(command) for command in commands]
     assert positions == sorted(positions)

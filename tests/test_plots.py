@@ -229,7 +229,10 @@ def test_project_2d_pca_orders_components_by_variance():
     assert np.allclose(out.mean(axis=0), 0.0, atol=1e-9)
 
 
-def test_project_2d_tsne_is_finite_and_seeded():
+def test_project_2d_tsne_is_finite_and_seeded(monkeypatch):
+    # scikit-learn sizes its OpenMP thread pool by the physical cores, which joblib counts by
+    # running lscpu, unless OMP_NUM_THREADS is set: set, the t-SNE starts no process
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rng = np.random.default_rng(6)
     points = np.concatenate([rng.normal(k * 4, 1, size=(10, 6)) for k in range(3)])
     a = P.project_2d(points, method="tsne", seed=3)

@@ -76,3 +76,16 @@ def test_a_fast_test_that_starts_a_process_fails_naming_the_fix(monkeypatch):
     tiers.forbid_processes(monkeypatch)
     with pytest.raises(tiers.ProcessInFastTier, match="@tiers.starts_processes"):
         subprocess.run([sys.executable, "-c", "pass"])
+
+
+def test_a_refused_start_that_the_code_swallows_is_still_recorded(monkeypatch):
+    """joblib counts the physical cores with ``lscpu`` and falls back on a failure: the guard's
+    record, which conftest checks after each fast test, still holds the refused start."""
+    refused = tiers.forbid_processes(monkeypatch)
+    try:
+        subprocess.run(["lscpu", "--parse=core"], capture_output=True)
+    except tiers.ProcessInFastTier:
+        pass
+    assert refused == [repr(["lscpu", "--parse=core"])]
+    message = tiers.refused_starts_message(refused)
+    assert "@tiers.starts_processes" in message and "the error caught by the code under test: ['lscpu'" in message

@@ -149,16 +149,32 @@ class ProcessInFastTier(AssertionError):
     pass
 
 
-def _refuse(*args, **kwargs):
-    raise ProcessInFastTier(
-        "a test of the fast tier started a process: mark the test helper that starts it with "
-        "@tiers.starts_processes (tests/tiers.py), so that its tests move to the e2e tier"
-    )
+_FAST_TIER_MESSAGE = (
+    "a test of the fast tier started a process: mark the test helper that starts it with "
+    "@tiers.starts_processes (tests/tiers.py), so that its tests move to the e2e tier"
+)
 
 
-def forbid_processes(monkeypatch):
-    """Make starting a process (subprocess, fork, spawn) fail the running test."""
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse)
+def forbid_processes(monkeypatch) -> list:
+    """Make starting a process (subprocess, fork, spawn) fail the running test.
+
+    Returns the list of refused starts (a description of each), which the caller checks after
+    the test: code that catches the error and carries on (joblib counting the cores with
+    ``lscpu``, say) must still fail its test."""
+    refused = []
+
+    def refuse(*args, **kwargs):
+        command = next((a for a in args if isinstance(a, (list, tuple, str, bytes))), None)
+        refused.append(repr(command) if command is not None else "a fork")
+        raise ProcessInFastTier(_FAST_TIER_MESSAGE)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
         if hasattr(os, name):
-            monkeypatch.setattr(os, name, _refuse)
+            monkeypatch.setattr(os, name, refuse)
+    return refused
+
+
+def refused_starts_message(refused: list) -> str:
+    """The failure of a fast test whose code swallowed the refusal of REFUSED starts."""
+    return f"{_FAST_TIER_MESSAGE} (refused, and the error caught by the code under test: {', '.join(refused)})"

@@ -58,12 +58,31 @@ def pytest_sessionstart(session):
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the tier markers given here
 def pytest_collection_modifyitems(config, items):
     config.stash[TIER_COUNTS] = tiers.assign(items)
+    if hasattr(config, "workeroutput"):  # an xdist worker: its controller prints the counts
+        config.workeroutput["tier_counts"] = config.stash[TIER_COUNTS]
+
+
+def _tier_line(counts) -> str:
+    return "tiers of the collected tests: " + ", ".join(f"{tier} {n}" for tier, n in counts.items())
 
 
 def pytest_report_collectionfinish(config, items):
     counts = config.stash.get(TIER_COUNTS, None)
     if counts:
-        return "tiers of the collected tests: " + ", ".join(f"{tier} {n}" for tier, n in counts.items())
+        return _tier_line(counts)
+
+
+def pytest_testnodedown(node, error):
+    """Under xdist the controller collects nothing: a worker sends its counts when it ends."""
+    counts = getattr(node, "workeroutput", {}).get("tier_counts")
+    if counts:
+        node.config.stash[TIER_COUNTS] = counts
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    counts = config.stash.get(TIER_COUNTS, None)
+    if counts and not hasattr(config, "workeroutput") and config.pluginmanager.hasplugin("dsession"):
+        terminalreporter.write_line(_tier_line(counts))
 
 
 @pytest.fixture(autouse=True)

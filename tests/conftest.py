@@ -139,6 +139,29 @@ def run_cli(args, cwd=None, input_text=None, timeout=600, check=True):
     return proc.returncode, output
 
 
+#: the console script function of ``fairseq-modattn``, for :func:`run_commands`
+MODATTN_MAIN = "fairseq_modattn.cli.main:main"
+
+
+@tiers.starts_processes
+def run_commands(calls, cwd=None, timeout=600) -> list:
+    """[(exit status, stdout, stderr)] of each ``(target, argv)`` of CALLS, run one after another
+    in ONE child process (tests/commands_in_one_process.py: each called as its console script
+    calls it). For tests of how commands refuse bad input, which need a process of their own but
+    not one each (a process start costs ~6 s of imports here). A target is ``MODATTN_MAIN`` or
+    ``"path/to/script.py:main"``."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent / "commands_in_one_process.py")], cwd=cwd,
+        input=json.dumps([[target, [str(a) for a in argv]] for target, argv in calls]), capture_output=True,
+        text=True, timeout=timeout, env=cli_environment(),
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"commands_in_one_process.py exited {proc.returncode}:\n{proc.stderr[-6000:]}")
+    return [(r["code"], r["stdout"], r["stderr"]) for r in json.loads(proc.stdout)]
+
+
 def once_per_run(tmp_path_factory, name: str, build) -> Path:
     """The folder NAME, filled by ``build(folder)`` once per test run and shared by all its tests.
 

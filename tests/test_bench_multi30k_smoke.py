@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, cli_environment
+from conftest import REPO, cli_environment, run_commands
 
 SCRIPT = REPO / "benchmarks" / "multi30k.py"
 TINY = ["--jobs", "2", "--train-args", "--max-tokens 1000 --num-workers 0"]
@@ -113,14 +113,6 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
             f"TER {first['ter']:.2f}, valid nll {first['valid_nll_loss']:.3f}\n") in output
     assert output.endswith("No training left.\n")
 
-    # a page without the report's markers is never overwritten
-    mine = tmp_path / "notes.md"
-    mine.write_text("my notes\n")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--markdown", str(mine)], capture_output=True,
-                          text=True, timeout=300, env=cli_environment(), cwd=REPO)
-    assert proc.returncode == 2 and "has no 'benchmarks/multi30k.py report' section" in proc.stderr
-    assert mine.read_text() == "my notes\n"
-
     # a family's runs can be (re)run on their own: the transformer family's finished runs are reused
     # whatever the LSTM family's settings
     output = run([*common, "--models", "transformer", "talking_heads", "--seeds", "1", "2", "--max-update", "2",
@@ -129,20 +121,27 @@ def test_multi30k_benchmark_tiny(multi30k_bin, tmp_path):
     assert "[transformer seed 2] already trained" in output and "training:" not in output
     assert len(json.loads((out / "transformer" / "seed2" / "code.json").read_text())) == 1  # reuse trains nothing
 
-    # but a run is never continued (seed 1, stopped after its last checkpoint) nor reused (seed 2) under
-    # another budget: the table would mix two budgets
+    # what is refused, each run of the script as `python multi30k.py` calls it, in one process:
+    # a page without the report's markers is never overwritten; a run is never continued (seed 1,
+    # stopped after its last checkpoint) nor reused (seed 2) under another budget, as the table
+    # would mix two budgets; and another evaluation (here: another beam) is refused for the whole
+    # directory
+    mine = tmp_path / "notes.md"
+    mine.write_text("my notes\n")
     (out / "transformer" / "seed1" / "train.done").unlink()
-    for seed in ("1", "2"):
-        proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--models", "transformer", "--seeds", seed,
-                               "--max-update", "4", "--subset", "valid"],
-                              capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
-        assert proc.returncode == 1, proc.stdout[-3000:]
-        assert f"holds a transformer seed {seed} model trained with another command" in proc.stderr, proc.stderr
-    # and another evaluation (here: another beam) is refused for the whole directory
-    proc = subprocess.run([sys.executable, str(SCRIPT), *common, "--models", "transformer", "--max-update", "2",
-                           "--subset", "valid", "--beam", "2"],
-                          capture_output=True, text=True, timeout=300, env=cli_environment(), cwd=REPO)
-    assert proc.returncode == 1 and "holds runs made with other settings (beam: 5 -> 2)" in proc.stderr
+    main = f"{SCRIPT}:main"
+    budget = [*common, "--models", "transformer", "--max-update", "4", "--subset", "valid"]
+    (notes, _, notes_err), *seeds, (beam, _, beam_err) = run_commands([
+        (main, [*common, "--markdown", mine]),
+        *[(main, [*budget, "--seeds", seed]) for seed in ("1", "2")],
+        (main, [*common, "--models", "transformer", "--max-update", "2", "--subset", "valid", "--beam", "2"]),
+    ], cwd=REPO)
+    assert notes == 2 and "has no 'benchmarks/multi30k.py report' section" in notes_err
+    assert mine.read_text() == "my notes\n"
+    for seed, (code, seed_out, seed_err) in zip(("1", "2"), seeds):
+        assert code == 1, seed_out[-3000:]
+        assert f"holds a transformer seed {seed} model trained with another command" in seed_err, seed_err
+    assert beam == 1 and "holds runs made with other settings (beam: 5 -> 2)" in beam_err
 
 
 def test_multi30k_benchmark_refuses_cuda_without_a_gpu(multi30k_bin, tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MODATTN, bpe_codes, cli_environment
+from conftest import MODATTN, MODATTN_MAIN, bpe_codes, cli_environment, run_commands
 
 pytest.importorskip("flask", reason="the demo needs Flask: pip install -e '.[demo]'")
 pytest.importorskip("plotly", reason="the demo needs plotly: pip install -e '.[demo]'")
@@ -75,22 +75,25 @@ def post(url, text, timeout=120):
 
 
 def test_start_up_errors_are_one_line_and_exit_1(tiny_checkpoints, multi30k_bin, tmp_path):
-    def run(args):
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=cli_environment())
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        # the error is the last line: importing fairseq 0.12.x may print an INFO line of its
-        # own first (fairseq.tasks.text_to_speech asks for tensorboardX at import time)
-        return proc.stderr.strip().splitlines()[-1]
-
-    error = run(serve_command(tmp_path / "nope.pt", multi30k_bin))
-    assert error.startswith("fairseq-modattn serve: error: checkpoint") and "nope.pt does not exist" in error
-    assert "data-bin" in run([MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(tmp_path / "x")])
-    # the data-bin of the tests holds no subword model, and none was named
-    error = run([MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(multi30k_bin)])
-    assert "no subword model in" in error and "--bpe-codes" in error
     truncated = tmp_path / "broken.pt"
     truncated.write_bytes(Path(tiny_checkpoints["dma"]).read_bytes()[:1000])
-    assert "cannot load checkpoint" in run(serve_command(truncated, multi30k_bin))
+    commands = [
+        serve_command(tmp_path / "nope.pt", multi30k_bin),
+        [MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(tmp_path / "x")],
+        # the data-bin of the tests holds no subword model, and none was named
+        [MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(multi30k_bin)],
+        serve_command(truncated, multi30k_bin),
+    ]
+    errors = []
+    for code, out, err in run_commands([(MODATTN_MAIN, command[1:]) for command in commands]):
+        assert code == 1, out + err
+        # the error is the last line: importing fairseq 0.12.x may print an INFO line of its
+        # own first (fairseq.tasks.text_to_speech asks for tensorboardX at import time)
+        errors.append(err.strip().splitlines()[-1])
+    assert errors[0].startswith("fairseq-modattn serve: error: checkpoint") and "nope.pt does not exist" in errors[0]
+    assert "data-bin" in errors[1]
+    assert "no subword model in" in errors[2] and "--bpe-codes" in errors[2]
+    assert "cannot load checkpoint" in errors[3]
 
 
 def test_fifty_concurrent_requests_are_all_answered(server):

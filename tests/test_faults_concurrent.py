@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MODATTN, REPO, cli_environment, fairseq_cli, run_cli, tiny_train_args
+from conftest import MODATTN, MODATTN_MAIN, REPO, cli_environment, fairseq_cli, run_cli, run_commands, tiny_train_args
 from fairseq_modattn import folder_lock
 from fairseq_modattn.data.steps import Steps
 from test_faults_outputs import prepare_argv, synthetic_raw, tree
@@ -74,21 +74,33 @@ def refused(args, pid: int, *needles, cwd=None) -> str:
     """Run ARGS; it must fail at once with one error line naming PID and every NEEDLE."""
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=cli_environment(),
                           timeout=300, cwd=cwd)
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return one_refusal(proc.returncode, proc.stdout, proc.stderr, pid, *needles)
+
+
+def one_refusal(code: int, stdout: str, stderr: str, pid: int, *needles) -> str:
+    """A command's exit CODE and output: a failure with one error line naming PID and every NEEDLE."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert code != 0, stdout + stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
     errors = [line for line in lines if "error:" in line]
-    assert len(errors) == 1, proc.stderr[-3000:]
+    assert len(errors) == 1, stderr[-3000:]
     for needle in (f"in use by pid {pid}", *needles):
         assert str(needle) in errors[0], errors[0]
     return errors[0]
 
 
+#: folder_lock.py needs only the standard library: loaded from its file, a helper process has the
+#: package's locks at hand in a fraction of a second, without importing fairseq (~6 s a process)
+LOAD_FOLDER_LOCK = ("import importlib.util, sys\n"
+                    f"spec = importlib.util.spec_from_file_location('folder_lock', {folder_lock.__file__!r})\n"
+                    "folder_lock = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(folder_lock)\n")
+
+
 @contextlib.contextmanager
 def held_by_another_process(*paths: Path):
     """A real process holding the package's locks of PATHS (as a first command would); its pid."""
-    code = ("import sys, time\nfrom fairseq_modattn.folder_lock import acquire\n"
-            "for path in sys.argv[1:]:\n    acquire(path)\nprint('held', flush=True)\ntime.sleep(600)\n")
+    code = (LOAD_FOLDER_LOCK + "import time\nfor path in sys.argv[1:]:\n    folder_lock.acquire(path)\n"
+            "print('held', flush=True)\ntime.sleep(600)\n")
     with running([sys.executable, "-c", code, *paths]) as proc:
         assert proc.stdout.readline().strip() == "held", proc.stderr.read()
         yield proc.pid
@@ -223,17 +235,20 @@ def test_every_other_writer_refuses_an_output_in_use(multi30k_bin, tiny_checkpoi
                              "--output-dir", tmp_path / "half", "--cpu"], "--output-dir"),
     ]
     with held_by_another_process(*[path for path, _, _ in cases]) as pid:
-        for path, command, flag in cases:
-            refused(command, pid, f"{flag} {path}")
+        # each command as its console script (or `python script.py`) calls it, all in one process
+        # other than the holder and this one
+        results = run_commands([(f"{command[1]}:main", command[2:]) if command[0] == sys.executable
+                                else (MODATTN_MAIN, command[1:]) for _, command, _ in cases], cwd=REPO)
+        for (path, _, flag), (code, out, err) in zip(cases, results, strict=True):
+            one_refusal(code, out, err, pid, f"{flag} {path}")
             assert not path.exists(), path  # nothing written there
 
 
 def test_a_folder_lock_covers_its_entries_except_for_the_holders_own_children(tmp_path):
     """What lies directly in a held folder is refused to other processes, not to the holder's
     children (a benchmark's fairseq-train writes its --save-dir inside the benchmark's folder)."""
-    lock_entry = ("import sys\nfrom fairseq_modattn.folder_lock import FolderInUseError, acquire\n"
-                  "try:\n    acquire(sys.argv[1], what='--save-dir')\n"
-                  "except FolderInUseError as e:\n    sys.exit(f'error: {e}')\nprint('locked')\n")
+    lock_entry = (LOAD_FOLDER_LOCK + "try:\n    folder_lock.acquire(sys.argv[1], what='--save-dir')\n"
+                  "except folder_lock.FolderInUseError as e:\n    sys.exit(f'error: {e}')\nprint('locked')\n")
     entry = tmp_path / "bench" / "dma"
     with folder_lock.exclusive_use(tmp_path / "bench"):
         child = subprocess.run([sys.executable, "-c", lock_entry, entry], capture_output=True, text=True,

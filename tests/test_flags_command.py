@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conftest import MODATTN_MAIN, run_commands
 from fairseq_modattn.cli.main import main
 
 
@@ -47,12 +48,12 @@ def test_all_adds_the_transformer_flags(capsys):
 
 
 def test_bad_input_gives_clear_errors():
-    bad = run("flags", "--arch", "transformer_nope")
-    assert bad.returncode == 2 and "unknown architecture 'transformer_nope'" in bad.stderr
-    assert "dma_transformer_iwslt_de_en" in bad.stderr
-    unknown = run("frobnicate")
-    assert unknown.returncode == 2 and "unknown command 'frobnicate'" in unknown.stderr
-    assert run("--help").returncode == 0
+    (bad, _, bad_err), (unknown, _, unknown_err) = run_commands([
+        (MODATTN_MAIN, ["flags", "--arch", "transformer_nope"]), (MODATTN_MAIN, ["frobnicate"])])
+    assert bad == 2 and "unknown architecture 'transformer_nope'" in bad_err
+    assert "dma_transformer_iwslt_de_en" in bad_err
+    assert unknown == 2 and "unknown command 'frobnicate'" in unknown_err
+    assert run("--help").returncode == 0  # python -m fairseq_modattn.cli.main
 
 
 def test_console_script_is_installed():

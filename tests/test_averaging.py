@@ -178,6 +178,39 @@ def test_average_help_and_usage_errors(capsys):
     assert done.value.code == 2
 
 
+def test_average_never_replaces_an_input_nor_counts_one_twice(tmp_path, capsys, monkeypatch):
+    """The issue's case: `average --inputs a.pt b.pt --output a.pt` replaced a.pt by the mean,
+    which carried b.pt's metadata. An output that is an input, under any name, and an input given
+    twice are refused in one line before anything is read; nothing changes on disk."""
+    first, second = two_models()
+    a = fake_checkpoint(tmp_path / "a.pt", first, epoch=1)
+    b = fake_checkpoint(tmp_path / "b.pt", second, epoch=2)
+    (tmp_path / "link.pt").symlink_to(a)
+    (tmp_path / "hard.pt").hardlink_to(b)
+    before = {path: path.read_bytes() for path in (a, b)}
+    monkeypatch.chdir(tmp_path)
+    read = []
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: read.append(args) or pytest.fail("read"))
+    cases = [
+        (["a.pt", "b.pt"], "a.pt", "--output a.pt is the input a.pt: averaging would replace it"),
+        (["a.pt", "b.pt"], "./b.pt", "--output b.pt is the input b.pt"),
+        (["a.pt", "b.pt"], "link.pt", "--output link.pt is the input a.pt"),
+        (["link.pt", "b.pt"], str(a), f"--output {a} is the input link.pt"),
+        (["a.pt", "b.pt"], "hard.pt", "--output hard.pt is the input b.pt"),
+        (["a.pt", "b.pt", "./a.pt"], "avg.pt", "--inputs names one file twice (a.pt and a.pt)"),
+        (["a.pt", "link.pt"], "avg.pt", "--inputs names one file twice (a.pt and link.pt)"),
+    ]
+    for inputs, output, message in cases:
+        assert modattn_main(["average", "--inputs", *inputs, "--output", output]) == 1, (inputs, output)
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("fairseq-modattn average: error: ") and message in lines[0], \
+            (inputs, output, captured.err)
+        assert "averaging" not in captured.out  # refused before the list of what would be read
+    assert not read and {path: path.read_bytes() for path in (a, b)} == before
+    assert not (tmp_path / "avg.pt").exists()
+
+
 @pytest.fixture(scope="module")
 def two_epochs(multi30k_bin, tmp_path_factory):
     """checkpoint1.pt and checkpoint2.pt of a tiny real DMA model."""
@@ -232,3 +265,9 @@ def test_average_command_errors(two_epochs, tmp_path, capsys):
                          "--output", str(tmp_path / "x.pt")])
     assert code == 1 and "gone.pt does not exist" in capsys.readouterr().err
     assert not (tmp_path / "x.pt").exists()
+    # the issue's case on real checkpoints: the first input as --output is refused and kept
+    first = two_epochs / "checkpoint1.pt"
+    kept = first.read_bytes()
+    code = modattn_main(["average", "--inputs", str(first), str(two_epochs / "checkpoint2.pt"), "--output", str(first)])
+    assert code == 1 and "averaging would replace it" in capsys.readouterr().err
+    assert first.read_bytes() == kept

@@ -9,6 +9,7 @@ bounded by ``--checkpoint-upper-bound``.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import List
@@ -57,6 +58,7 @@ def average(argv: List[str]) -> int:
         # before any work: an existing folder at --output is refused, never replaced
         check_output_file(args.output, "--output", error=AnalysisError)
         paths = _average_inputs(args)
+        _refuse_repeated_files(paths, Path(args.output))
         print(f"averaging {len(paths)} checkpoint(s):")
         for path in paths:
             print(f"  {path}")
@@ -92,3 +94,32 @@ def _average_inputs(args) -> List[Path]:
             raise AnalysisError(f"--inputs {path} is a directory: give --num-epoch-checkpoints or "
                                 "--num-update-checkpoints, or list checkpoint files")
     return paths
+
+
+def _file_identity(path: Path):
+    """(device, inode) of the file PATH names, through any symlink; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # a missing input is reported by the loader, naming it
+    return st.st_dev, st.st_ino
+
+
+def _refuse_repeated_files(paths: List[Path], output: Path) -> None:
+    """Before anything is read: an --output that is one of the inputs would be replaced by the
+    average (a checkpoint lost, and the result carrying the other input's metadata), and an
+    input given twice would count twice in the mean. Both are refused, by the files' identity,
+    not their spelling (``./a.pt``, a symlink, a hard link)."""
+    seen = {}
+    for path in paths:
+        identity = _file_identity(path)
+        if identity is None:
+            continue
+        if identity in seen:
+            raise AnalysisError(f"--inputs names one file twice ({seen[identity]} and {path}): each checkpoint "
+                                "counts once in an average; list it once")
+        seen[identity] = path
+    same = seen.get(_file_identity(output))
+    if same is not None:
+        raise AnalysisError(f"--output {output} is the input {same}: averaging would replace it; give another "
+                            "--output")

@@ -31,7 +31,7 @@ from fairseq_modattn.data.text_pipeline import TextPipeline
 from fairseq_modattn.data.text_settings import TextSettings, manifest_text
 from fairseq_modattn.models import hub_interface
 from fairseq_modattn.models.dma_transformer import DMATransformerModel
-from fairseq_modattn.models.hub_interface import FromPretrainedError, TextPipelineHubInterface
+from fairseq_modattn.models.hub_interface import CheckedHubInterface, FromPretrainedError, TextPipelineHubInterface
 from fairseq_modattn.models.rim_lstm import RIMLSTMModel
 from fairseq_modattn.models.talking_heads_transformer import TalkingHeadsTransformerModel
 from fairseq_modattn.models.tim_transformer import TIMTransformerModel
@@ -105,6 +105,34 @@ def test_translate_raw_text_gives_fairseq_generates_detokenized_hypotheses(tiny_
     assert any(h.strip() for h in expected)  # something to compare: not all hypotheses empty
 
 
+def test_translate_says_what_is_wrong_with_its_arguments(tiny_checkpoints, few_sentences):
+    """Before: translate(42) and translate([s, 3]) failed inside the text pipeline, beam=0 with a
+    reshape error in attention_base.py, a 5,000-character input with fairseq's advice to pass
+    --skip-invalid-size-inputs-valid-test, and "" translated to the model's output for </s>."""
+    data_bin, raw, _ = few_sentences
+    hub = load("dma", tiny_checkpoints["dma"], data_bin)
+    for bad, name in ((42, "int"), (None, "NoneType"), ({"a": 1}, "dict")):
+        with pytest.raises(TypeError, match=f"^translate\\(\\) takes a str or a list of str, got {name}$"):
+            hub.translate(bad)
+    with pytest.raises(TypeError, match="item 1 of the list is int"):
+        hub.translate([raw[0], 3])
+    for beam, error, message in ((0, ValueError, "beam must be at least 1, got 0"),
+                                 (-2, ValueError, "beam must be at least 1, got -2"),
+                                 (2.0, TypeError, "beam must be an int, got float")):
+        with pytest.raises(error, match=message):
+            hub.translate(raw[0], beam=beam)
+    long_text = "ein mann mit einem roten hut spielt gitarre . " * 110  # ~5,000 characters
+    limit = hub.models[0].max_positions()[0]
+    with pytest.raises(ValueError, match=rf"is [\d,]+ tokens long after the text pipeline .*at most {limit:,} source "
+                                         r"positions \(max_source_positions\)") as error:
+        hub.translate(long_text)
+    assert "skip-invalid-size" not in str(error.value)
+    with pytest.raises(ValueError, match="sentence 1 of the list is"):
+        hub.translate([raw[0], long_text])
+    assert hub.translate("") == "" and hub.translate("  \t ") == ""
+    assert hub.translate(["", raw[0], " "], **GENERATION) == ["", hub.translate(raw[0], **GENERATION), ""]
+
+
 def test_decode_detokenizes_as_evaluate_does(few_sentences, multi30k_bin):
     """The tiny models' hypotheses repeat a few words; the references show decode on real
     sentences: their ids decode to evaluate's Moses detokenisation of the --remove-bpe text."""
@@ -140,7 +168,7 @@ def test_without_a_recorded_pipeline_the_message_says_what_to_pass(tiny_checkpoi
     # lower-casing then, so lower-cased input gives the same translation
     for folder in (bare, data_bin):
         plain = load("dma", checkpoint, folder, tokenizer="moses", bpe="subword_nmt", bpe_codes=str(data_bin / "code"))
-        assert type(plain) is GeneratorHubInterface
+        assert type(plain) is CheckedHubInterface and isinstance(plain, GeneratorHubInterface)
         assert plain.translate(raw[0].lower(), **GENERATION) == recorded.translate(raw[0], **GENERATION)
 
 

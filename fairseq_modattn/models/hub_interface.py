@@ -53,9 +53,59 @@ class FromPretrainedError(ValueError):
     """``from_pretrained`` cannot go on: one line saying what is missing and what to pass."""
 
 
-class TextPipelineHubInterface(GeneratorHubInterface):
-    """fairseq's hub interface whose ``encode`` / ``decode`` are TEXT (a ``TextPipeline``):
-    ``translate``, ``sample`` and ``generate`` are fairseq's own."""
+class CheckedHubInterface(GeneratorHubInterface):
+    """fairseq's hub interface whose ``translate`` / ``sample`` say what is wrong with their
+    arguments, in Python's terms, before fairseq meets them: fairseq's own reports a non-string as
+    an error of its encoder, ``beam=0`` as a reshape error deep in attention, and a too-long
+    input with the advice to pass ``--skip-invalid-size-inputs-valid-test``, a command-line flag.
+    An empty or blank sentence translates to ``""`` (fairseq would decode the model's output for
+    a source of only </s>). Everything else, ``generate`` included, is fairseq's."""
+
+    def sample(self, sentences, beam: int = 1, verbose: bool = False, **kwargs):
+        single = isinstance(sentences, str)
+        batch = [sentences] if single else _sentence_list(sentences)
+        if isinstance(beam, bool) or not isinstance(beam, int):
+            raise TypeError(f"beam must be an int, got {type(beam).__name__}")
+        if beam < 1:
+            raise ValueError(f"beam must be at least 1, got {beam}")
+        translations = [""] * len(batch)
+        todo = [i for i, sentence in enumerate(batch) if sentence.strip()]
+        if todo:
+            tokens = [self.encode(batch[i]) for i in todo]
+            self._check_lengths(tokens, todo, single)
+            for i, hypos in zip(todo, self.generate(tokens, beam, verbose, **kwargs)):
+                translations[i] = self.decode(hypos[0]["tokens"])
+        return translations[0] if single else translations
+
+    def _check_lengths(self, tokens, positions, single: bool) -> None:
+        from fairseq import utils
+
+        limit = utils.resolve_max_positions(self.task.max_positions(), *[m.max_positions() for m in self.models])
+        source_limit = limit[0] if isinstance(limit, tuple) else limit
+        if source_limit is None:
+            return
+        for i, ids in zip(positions, tokens):
+            if len(ids) > source_limit:
+                which = "the sentence" if single else f"sentence {i} of the list"
+                raise ValueError(f"{which} is {len(ids):,} tokens long after the text pipeline (with </s>); this "
+                                 f"model reads at most {source_limit:,} source positions (max_source_positions): "
+                                 "split it into shorter sentences")
+
+
+def _sentence_list(sentences) -> list:
+    """SENTENCES as a list of str, or a TypeError naming what it is."""
+    if not isinstance(sentences, (list, tuple)):
+        raise TypeError(f"translate() takes a str or a list of str, got {type(sentences).__name__}")
+    for i, sentence in enumerate(sentences):
+        if not isinstance(sentence, str):
+            raise TypeError(f"translate() takes a str or a list of str; item {i} of the list is "
+                            f"{type(sentence).__name__}")
+    return list(sentences)
+
+
+class TextPipelineHubInterface(CheckedHubInterface):
+    """The checked hub interface whose ``encode`` / ``decode`` are TEXT (a ``TextPipeline``):
+    ``translate``, ``sample`` and ``generate`` are fairseq's own, with their arguments checked."""
 
     def __init__(self, cfg, task, models, text):
         super().__init__(cfg, task, models)
@@ -185,10 +235,10 @@ def from_pretrained(model_name_or_path, checkpoint_file: str = "model.pt", data_
         if recorded is not None:
             logger.warning("%s given: fairseq's own encoders are applied, not the text pipeline %s records (%s)",
                            " and ".join(f"{k}=" for k in fairseq_text), data_bin, recorded.steps())
-        return GeneratorHubInterface(cfg, task, models)
+        return CheckedHubInterface(cfg, task, models)
     text = _text_pipeline(cfg, task, text_pipeline)
     if text is None:
-        return GeneratorHubInterface(cfg, task, models)
+        return CheckedHubInterface(cfg, task, models)
     return TextPipelineHubInterface(cfg, task, models, text)
 
 

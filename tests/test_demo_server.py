@@ -77,12 +77,17 @@ def post(url, text, timeout=120):
 def test_start_up_errors_are_one_line_and_exit_1(tiny_checkpoints, multi30k_bin, tmp_path):
     truncated = tmp_path / "broken.pt"
     truncated.write_bytes(Path(tiny_checkpoints["dma"]).read_bytes()[:1000])
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
     commands = [
         serve_command(tmp_path / "nope.pt", multi30k_bin),
         [MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(tmp_path / "x")],
         # the data-bin of the tests holds no subword model, and none was named
         [MODATTN, "serve", "--path", str(tiny_checkpoints["dma"]), "--data", str(multi30k_bin)],
         serve_command(truncated, multi30k_bin),
+        # a user's own file given by mistake: never advised deleted; a folder is not "missing"
+        serve_command(notes, multi30k_bin),
+        serve_command(Path(tiny_checkpoints["dma"]).parent, multi30k_bin),
     ]
     errors = []
     for code, out, err in run_commands([(MODATTN_MAIN, command[1:]) for command in commands]):
@@ -94,6 +99,12 @@ def test_start_up_errors_are_one_line_and_exit_1(tiny_checkpoints, multi30k_bin,
     assert "data-bin" in errors[1]
     assert "no subword model in" in errors[2] and "--bpe-codes" in errors[2]
     assert "cannot load checkpoint" in errors[3]
+    assert errors[4] == (f"fairseq-modattn serve: error: cannot load checkpoint {notes}: it is not a torch checkpoint "
+                         "(neither a zip archive nor a pickle); pass a .pt file that fairseq-train saved")
+    assert notes.read_text() == "my notes\n"
+    folder = Path(tiny_checkpoints["dma"]).parent
+    assert errors[5].startswith(f"fairseq-modattn serve: error: checkpoint {folder} is a folder: pass the .pt file "
+                                "in it") and "does not exist" not in errors[5]
 
 
 def test_fifty_concurrent_requests_are_all_answered(server):

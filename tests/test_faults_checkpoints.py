@@ -204,6 +204,26 @@ def test_truncated_checkpoint_is_one_line_for_average_evaluate_and_serve_loading
         in message
 
 
+def test_a_file_that_is_no_checkpoint_is_never_advised_deleted(tmp_path, multi30k_bin):
+    """`serve --path notes.txt` advised deleting the user's file ("delete it to start again
+    without it"), and `--path DIR` said the folder did not exist."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    empty = tmp_path / "empty.pt"
+    empty.touch()
+    for path, expected in ((notes, "it is not a torch checkpoint (neither a zip archive nor a pickle); pass a .pt "
+                                   "file that fairseq-train saved"),
+                           (empty, "the file is damaged (empty file); pass an intact .pt file that fairseq-train "
+                                   "saved")):
+        with pytest.raises(AnalysisError) as error:
+            load_model(path, multi30k_bin)
+        assert str(error.value) == f"cannot load checkpoint {path}: {expected}"
+        assert "delete" not in str(error.value)
+    with pytest.raises(AnalysisError, match=f"^checkpoint {tmp_path} is a folder: pass the .pt file in it"):
+        load_model(tmp_path, multi30k_bin)
+    assert notes.read_text() == "my notes\n" and empty.exists()
+
+
 # ------------------------------------------------------------------ 13. fairseq-score
 def test_score_command_runs_fairseq_score_with_sacrebleu_2(tmp_path):
     hyps = ["a man rides a bike .", "two dogs play in snow ."]

@@ -31,6 +31,9 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
     from fairseq_modattn.dictionaries import DictionaryMismatchError, check_recorded_data_bin
 
     path = Path(path)
+    if path.is_dir():
+        raise AnalysisError(f"checkpoint {path} is a folder: pass the .pt file in it that fairseq-train saved "
+                            f"(e.g. {path / 'checkpoint_best.pt'})")
     if not path.is_file():
         raise AnalysisError(f"checkpoint {path} does not exist (pass the .pt file fairseq-train saved)")
     if data is not None and not Path(data).is_dir():

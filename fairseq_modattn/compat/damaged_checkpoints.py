@@ -34,6 +34,9 @@ class DamagedCheckpointError(RuntimeError):
     the file and the intact checkpoints beside it to restore from."""
 
 
+#: the damage of a file that never was a checkpoint (a text file given as --path, say)
+NOT_A_CHECKPOINT = "not a torch checkpoint (neither a zip archive nor a pickle)"
+
 _UPDATE_CHECKPOINT = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")
 _EPOCH_CHECKPOINT = re.compile(r"^checkpoint(\d+)\.pt$")
 
@@ -53,7 +56,7 @@ def checkpoint_damage(path) -> Optional[str]:
     if size == 0:
         return "empty file"
     if head[:2] != b"PK":
-        return None if head[:1] == b"\x80" else "not a torch checkpoint (neither a zip archive nor a pickle)"
+        return None if head[:1] == b"\x80" else NOT_A_CHECKPOINT
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -103,9 +106,14 @@ def restore_candidates(damaged) -> List[Path]:
 def damaged_checkpoint_message(path, damage: str) -> str:
     """One line: which file is damaged and which checkpoints of its folder to restore from."""
     path = Path(path)
+    if damage == NOT_A_CHECKPOINT:
+        # maybe the user's own file given by mistake: no advice to delete or overwrite it
+        return f"cannot load checkpoint {path}: it is {damage}; pass a .pt file that fairseq-train saved"
     intact = restore_candidates(path)
     message = f"cannot load checkpoint {path}: the file is damaged ({damage})"
     if not intact:
+        if not _fairseq_checkpoint_name(path.name):
+            return message + "; pass an intact .pt file that fairseq-train saved"
         return message + (f"; no intact checkpoint in {path.parent} to restore from: delete it to start "
                           "again without it")
     others = ", ".join(p.name for p in intact[1:4]) + (f" and {len(intact) - 4} more" if len(intact) > 4 else "")
@@ -114,6 +122,12 @@ def damaged_checkpoint_message(path, damage: str) -> str:
         return message + (f", {others}" if others else "")
     message += f"; restore it from the newest intact one: cp {intact[0]} {path}"
     return message + (f" (also intact there: {others})" if others else "")
+
+
+def _fairseq_checkpoint_name(name: str) -> bool:
+    """Whether NAME is one fairseq-train gives its checkpoints (only those are advised deleted)."""
+    return bool(_UPDATE_CHECKPOINT.match(name) or _EPOCH_CHECKPOINT.match(name)
+                or name in ("checkpoint_best.pt", "checkpoint_last.pt"))
 
 
 def load_checkpoint_to_cpu_reporting_damage(path, *args, **kwargs):

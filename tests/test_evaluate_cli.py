@@ -215,6 +215,9 @@ def test_fewer_epoch_checkpoints_than_asked_is_an_error(multi30k_bin, three_epoc
     err = capsys.readouterr().err
     assert code == 1 and "need the last 5 epoch checkpoints" in err, err
     assert "found 3: checkpoint1.pt, checkpoint2.pt, checkpoint3.pt" in err
+    # the way out is named (the quickstart's folder, one epoch, met this with the default 5)
+    assert err.strip().endswith("; pass --allow-fewer to average those, or --path FILE to evaluate one checkpoint")
+    assert len(err.strip().splitlines()) == 1
     assert not (three_epochs / "w5").exists()
 
 

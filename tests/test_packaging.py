@@ -145,3 +145,15 @@ def test_built_wheel_ships_py_typed_and_the_metadata(tmp_path):
     assert "fairseq_modattn/demo/static/index.html" in names
     assert "Requires-Python: >=3.11" in metadata
     assert "Requires-Dist: fairseq-fixed<0.13,>=0.12.3" in metadata
+
+
+def test_gitignore_covers_what_readmes_commands_write_in_the_checkout():
+    """A user who runs README's commands in the checkout gets no untracked data-bins, corpora,
+    checkpoints or quickstart runs in `git status`."""
+    readme = (REPO / "README.md").read_text()
+    flags = r"--(?:output-dir|raw-dir|save-dir|destdir|dest|checkpoint-dir)"
+    written = {m.group(1).split("/")[0] for m in re.finditer(rf"{flags}[ =]([\w.-][\w./-]*)", readme)}
+    assert {"quickstart", "raw", "data-bin", "checkpoints"} <= written, written
+    ignored = {line.strip().strip("/") for line in (REPO / ".gitignore").read_text().splitlines()
+               if line.strip() and not line.startswith(("#", "!"))}
+    assert not written - ignored, sorted(written - ignored)

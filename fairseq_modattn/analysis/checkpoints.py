@@ -88,9 +88,14 @@ def find_checkpoints(
     if len(chosen) < wanted:
         message = f"need the last {wanted} {kind} checkpoints{bound} in {directory} but found {len(chosen)}: {names}"
         if not allow_fewer:
-            raise AnalysisError(message)
+            raise TooFewCheckpointsError(message)
         logger.warning("%s; averaging those %d", message, len(chosen))
     return chosen
+
+
+class TooFewCheckpointsError(AnalysisError):
+    """``find_checkpoints`` found fewer than the N checkpoints asked for (the caller may name its
+    own way out: evaluate's ``--allow-fewer``, say)."""
 
 
 # ------------------------------------------------------------------ averaging

@@ -652,8 +652,13 @@ def _select_checkpoints(args, parser) -> List[Path]:
     epochs = args.num_epoch_checkpoints
     if epochs is None and args.num_update_checkpoints is None:
         epochs = 5
-    return ckpt.find_checkpoints(args.checkpoint_dir, epochs, args.num_update_checkpoints,
-                                 args.checkpoint_upper_bound, allow_fewer=args.allow_fewer)
+    try:
+        return ckpt.find_checkpoints(args.checkpoint_dir, epochs, args.num_update_checkpoints,
+                                     args.checkpoint_upper_bound, allow_fewer=args.allow_fewer)
+    except ckpt.TooFewCheckpointsError as e:
+        # a short run (quickstart's, say) has fewer epoch checkpoints than the paper's 5
+        raise AnalysisError(f"{e}; pass --allow-fewer to average those, or --path FILE to evaluate one "
+                            "checkpoint") from None
 
 
 def _default_paths(args, checkpoints: List[Path]) -> Tuple[Path, Path]:

@@ -141,7 +141,8 @@ def test_fairseq_itself_logs_the_notice(hidden_tensorboardx):
 def test_console_script_help_has_no_notice(hidden_tensorboardx):
     code, out, err = run([MODATTN, "-h"], env=hidden_tensorboardx)
     assert code == 0, err
-    assert out.startswith("``fairseq-modattn``"), out[:300]
+    assert out.startswith("fairseq-modattn: helpers around fairseq's own commands"), out[:300]
+    assert "``" not in out  # the docstring's reST markup is not shown
     assert err == "", err
 
 

@@ -201,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     configure_logging()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__.strip())
+        print(__doc__.strip().replace("``", ""))  # the docstring's reST literals, as plain text
         if argv and argv[0] not in ("-h", "--help"):
             listing = "\n".join(f"  {name:<11} {command.help}" for name, command in COMMANDS.items())
             print(f"\nunknown command {argv[0]!r}; commands:\n{listing}", file=sys.stderr)

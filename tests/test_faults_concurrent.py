@@ -14,6 +14,7 @@ package's lock the way their first instance would.
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,8 +217,9 @@ def test_second_evaluate_sharing_a_work_dir_is_refused_and_the_first_matches_a_s
 # ------------------------------------------------------------------------------ the other writers
 def test_every_other_writer_refuses_an_output_in_use(multi30k_bin, tiny_checkpoints, tmp_path):
     ckpt = tiny_checkpoints["dma"]
+    copy = shutil.copy(ckpt, tmp_path / "copy.pt")  # one file given twice is refused before the lock is asked
     cases = [
-        (tmp_path / "avg.pt", [MODATTN, "average", "--inputs", ckpt, ckpt, "--output", tmp_path / "avg.pt"],
+        (tmp_path / "avg.pt", [MODATTN, "average", "--inputs", ckpt, copy, "--output", tmp_path / "avg.pt"],
          "--output"),
         (tmp_path / "r.json", [MODATTN, "redundancy", multi30k_bin, "--path", ckpt, "--cpu", "--max-batches", "1",
                                "--output", tmp_path / "r.json"], "--output"),

@@ -21,6 +21,21 @@ from . import AnalysisError
 logger = logging.getLogger(__name__)
 
 
+def path_problem(path, data=None) -> Optional[str]:
+    """What is wrong with a checkpoint PATH and a data-bin folder DATA (None: not given), said
+    before anything is loaded (``serve`` asks before it starts Flask), or None."""
+    path = Path(path)
+    if path.is_dir():
+        return (f"checkpoint {path} is a folder: pass the .pt file in it that fairseq-train saved "
+                f"(e.g. {path / 'checkpoint_best.pt'})")
+    if not path.is_file():
+        return f"checkpoint {path} does not exist (pass the .pt file fairseq-train saved)"
+    if data is not None and not Path(data).is_dir():
+        what = "is a file, not a folder" if Path(data).exists() else "does not exist"
+        return f"data-bin {data} {what} (pass the folder fairseq-preprocess wrote)"
+    return None
+
+
 def load_model(path, data: Optional[str] = None, cpu: bool = True):
     """(model, task, cfg) of the checkpoint ``path``; ``data`` replaces the data-bin recorded in
     it (checkpoints remember the folder they were trained on, which may be elsewhere now)."""
@@ -31,13 +46,9 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
     from fairseq_modattn.dictionaries import DictionaryMismatchError, check_recorded_data_bin
 
     path = Path(path)
-    if path.is_dir():
-        raise AnalysisError(f"checkpoint {path} is a folder: pass the .pt file in it that fairseq-train saved "
-                            f"(e.g. {path / 'checkpoint_best.pt'})")
-    if not path.is_file():
-        raise AnalysisError(f"checkpoint {path} does not exist (pass the .pt file fairseq-train saved)")
-    if data is not None and not Path(data).is_dir():
-        raise AnalysisError(f"data-bin {data} does not exist (pass the folder fairseq-preprocess wrote)")
+    problem = path_problem(path, data)
+    if problem is not None:
+        raise AnalysisError(problem)
     if data is not None and not any(Path(data).glob("dict.*.txt")):
         # fairseq would say "Could not infer language pair, please provide it explicitly" deep in
         # a traceback (the language pair is inferred from these files' names)

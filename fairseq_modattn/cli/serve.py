@@ -170,15 +170,11 @@ def serve(argv: List[str]) -> int:
         return 1
 
     # checked before Flask and the checkpoint are loaded, so that a typo fails within seconds
-    if args.path.is_dir():
-        return fail(f"checkpoint {args.path} is a folder: pass the .pt file in it that fairseq-train saved "
-                    f"(e.g. {args.path / 'checkpoint_best.pt'})")
-    if not args.path.is_file():
-        return fail(f"checkpoint {args.path} does not exist (pass the .pt file fairseq-train saved)")
-    if args.data.exists() and not args.data.is_dir():
-        return fail(f"data-bin {args.data} is a file, not a folder (pass the folder fairseq-preprocess wrote)")
-    if not args.data.is_dir():
-        return fail(f"data-bin {args.data} does not exist (pass the folder fairseq-preprocess wrote)")
+    from ..analysis.loading import path_problem
+
+    problem = path_problem(args.path, args.data)
+    if problem is not None:
+        return fail(problem)
     if not 0 <= args.port <= 65535:
         return fail(f"--port must lie in 0..65535, got {args.port}")
     try:

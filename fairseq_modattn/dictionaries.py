@@ -8,10 +8,14 @@ which word each id is. A data-bin whose dictionaries have the model's sizes but 
 * models of this package carry a fingerprint of the dictionaries they were built with, as a
   buffer of their state dict (``models/dictionary_fingerprint.py``), and refuse a state dict
   whose fingerprint differs, on every path fairseq loads weights by;
-* for any other checkpoint (fairseq's own ``transformer``, ``lstm``, ...), ``evaluate``, ``serve``
-  and the analysis loader compare the data-bin given now with the one the checkpoint's task
-  recorded (``cfg.task.data``) while that folder still holds its dictionaries
-  (:func:`check_recorded_data_bin`).
+* every checkpoint ``fairseq-train`` saves with the plugin loaded, whatever its architecture
+  (fairseq's own ``transformer``, ``lstm``, ...), records the same fingerprint of its task's
+  dictionaries in its extra state, and every load the plugin sees compares it with the
+  dictionaries of the data-bin given now (``compat/dictionaries_in_every_checkpoint.py``; for a
+  file, :func:`check_checkpoint_dictionaries`);
+* a checkpoint that records neither (saved by fairseq without the plugin, or before the record
+  existed) is compared by ``evaluate``, ``serve`` and the analysis loader through the data-bin
+  its task recorded (``cfg.task.data``), while that folder still holds its dictionaries.
 
 A fingerprint is the SHA-256 of a dictionary's symbols in order (special symbols included, counts
 left out: they do not change what an id means), kept as the number of symbols and eight 32-bit
@@ -32,7 +36,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: the state-dict key of the fingerprint buffer of this package's models
+#: the key of the fingerprint: the buffer in the model state dict of this package's models, and
+#: the entry of every plugin-trained checkpoint's ``extra_state``
 FINGERPRINT_KEY = "dictionary_fingerprint"
 #: hex digits of a fingerprint shown in messages
 SHOWN_DIGITS = 12
@@ -96,11 +101,25 @@ def mismatch_message(built: torch.Tensor, trained_on: Optional[str], now: torch.
             "token ids would mean other words (a garbage translation): pass the data-bin the model was trained on")
 
 
-# ------------------------------------------------------------------ checkpoints without a fingerprint
+# ------------------------------------------------------------------ what a checkpoint records
+def recorded_fingerprint(state: dict) -> Optional[torch.Tensor]:
+    """The (2, 9) fingerprint a checkpoint's STATE records: its model's buffer (this package's
+    models) or its extra state's entry (any model fairseq-train saved with the plugin loaded);
+    None when it records neither."""
+    model = state.get("model")
+    if isinstance(model, dict) and torch.is_tensor(model.get(FINGERPRINT_KEY)):
+        return model[FINGERPRINT_KEY]
+    extra = state.get("extra_state")
+    if isinstance(extra, dict) and torch.is_tensor(extra.get(FINGERPRINT_KEY)):
+        return extra[FINGERPRINT_KEY]
+    return None
+
+
 def _recorded_task(path) -> Optional[dict]:
     """What the checkpoint file PATH says about its dictionaries, read without loading its
-    tensors (torch's mmap; safe loader): {"fingerprint": bool, "data", "source_lang",
-    "target_lang"}; None when the file cannot be read this way (the real loader then reports)."""
+    tensors (torch's mmap; safe loader): {"fingerprint": (2, 9) tensor or None, "data",
+    "source_lang", "target_lang"}; None when the file cannot be read this way (the real loader
+    then reports)."""
     from . import compat
 
     compat.apply()  # the safe loader's allow-list (fix 4); a no-op once the package applied it
@@ -116,8 +135,39 @@ def _recorded_task(path) -> Optional[dict]:
     if task is None and state.get("args") is not None:  # checkpoints of fairseq < 0.10
         task = vars(state["args"])
     task = task if isinstance(task, dict) else {}
-    return {"fingerprint": FINGERPRINT_KEY in state["model"], "data": task.get("data"),
+    recorded = recorded_fingerprint(state)
+    return {"fingerprint": None if recorded is None else recorded.clone(), "data": task.get("data"),
             "source_lang": task.get("source_lang"), "target_lang": task.get("target_lang")}
+
+
+def _trained_on(recorded: dict, now_folder: Optional[Path]) -> Optional[str]:
+    """The data-bin a checkpoint's task recorded, for a message; None when it is the one given now."""
+    first = str(recorded.get("data") or "").split(os.pathsep)[0]
+    if not first:
+        return None
+    folder = os.path.abspath(first)
+    return None if now_folder is not None and Path(folder) == Path(now_folder).absolute() else folder
+
+
+def check_task_dictionaries(checkpoint, task) -> None:
+    """Raises DictionaryMismatchError where the checkpoint file CHECKPOINT records a fingerprint
+    (the model's buffer or its extra state's) other than that of fairseq TASK's source and target
+    dictionaries: the check of every load the plugin sees (compat fix
+    ``dictionaries_in_every_checkpoint``). A file that records none, or a task without both
+    dictionaries, is left to the other checks."""
+    recorded = _recorded_task(checkpoint)
+    source, target = getattr(task, "source_dictionary", None), getattr(task, "target_dictionary", None)
+    if recorded is None or recorded["fingerprint"] is None or source is None or target is None:
+        return
+    now = dictionaries_fingerprint(source, target)
+    if same_fingerprints(recorded["fingerprint"], now):
+        return
+    cfg = getattr(task, "cfg", None)
+    files = dictionary_files(getattr(cfg, "data", None), getattr(cfg, "source_lang", None),
+                             getattr(cfg, "target_lang", None))
+    raise DictionaryMismatchError(mismatch_message(recorded["fingerprint"],
+                                                   _trained_on(recorded, files[0].parent if files else None),
+                                                   now, files))
 
 
 def _symbols(path: Path) -> list:
@@ -127,16 +177,19 @@ def _symbols(path: Path) -> list:
     return list(Dictionary.load(str(path)).symbols)
 
 
-def check_recorded_data_bin(checkpoint, data, source_lang=None, target_lang=None) -> Optional[str]:
-    """For a checkpoint WITHOUT a fingerprint (fairseq's own models, or this package's saved
-    before they kept one): compare the dictionaries of the data-bin DATA with those of the
-    data-bin its task recorded. Raises DictionaryMismatchError on a difference; returns a
-    one-line warning where it cannot tell (the recorded folder is gone or has no dictionaries,
-    or it is DATA itself and its dictionaries are newer than the checkpoint), None when they are
-    the same (or DATA itself, unchanged since the checkpoint was saved) or the checkpoint has a fingerprint
-    (its model checks, ``models/dictionary_fingerprint.py``)."""
+def check_checkpoint_dictionaries(checkpoint, data, source_lang=None, target_lang=None) -> Optional[str]:
+    """Whether the data-bin DATA holds the dictionaries the checkpoint file CHECKPOINT was
+    trained with, before anything is loaded (``evaluate`` asks for every checkpoint it averages).
+
+    A checkpoint that records a fingerprint (module docstring) is compared with DATA's dictionary
+    files. One that records none (saved by fairseq without the plugin, or before the record
+    existed) is compared through the data-bin its task recorded: DATA's dictionaries against
+    that folder's. Raises DictionaryMismatchError on a difference; returns a one-line warning
+    where it cannot tell (the recorded folder is gone or has no dictionaries, or it is DATA
+    itself and its dictionaries are newer than the checkpoint), None when they are the same (or
+    DATA itself, unchanged since the checkpoint was saved)."""
     recorded = _recorded_task(checkpoint)
-    if recorded is None or recorded["fingerprint"] or data is None:
+    if recorded is None or data is None:
         return None
     source_lang = source_lang or recorded["source_lang"]
     target_lang = target_lang or recorded["target_lang"]
@@ -147,6 +200,12 @@ def check_recorded_data_bin(checkpoint, data, source_lang=None, target_lang=None
     now = dictionary_files(data, source_lang, target_lang)
     if now is None or not all(p.is_file() for p in now):
         return None  # the loader reports a data-bin without these dictionaries
+    if recorded["fingerprint"] is not None:
+        given = torch.stack([fingerprint(_symbols(p)) for p in now])
+        if not same_fingerprints(recorded["fingerprint"], given):
+            raise DictionaryMismatchError(mismatch_message(recorded["fingerprint"],
+                                                           _trained_on(recorded, now[0].parent), given, now))
+        return None
     cannot_tell = f"cannot tell whether the dictionaries of {now[0].parent} are the ones {checkpoint} was trained with"
     then = dictionary_files(recorded["data"], source_lang, target_lang)
     if then is None:

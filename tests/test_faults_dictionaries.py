@@ -23,9 +23,20 @@ import pytest
 import torch
 
 import fairseq_modattn  # noqa: F401  (compat, as --user-dir applies it)
-from conftest import MODATTN, PLUGIN, bpe_codes, cli_environment, fairseq_cli, run_cli, tiny_train_args
+from conftest import (
+    MODATTN,
+    MODATTN_MAIN,
+    PLUGIN,
+    bpe_codes,
+    cli_environment,
+    fairseq_cli,
+    run_cli,
+    run_commands,
+    tiny_train_args,
+)
 from fairseq_modattn.analysis import AnalysisError
 from fairseq_modattn.analysis.loading import load_model
+from fairseq_modattn.dictionaries import DictionaryMismatchError
 
 #: the state-dict key of the fingerprint (docs/design.md, "The model knows its dictionaries")
 FINGERPRINT_KEY = "dictionary_fingerprint"
@@ -153,8 +164,9 @@ def test_evaluate_serve_and_analysis_loading_refuse_reordered_dictionaries(multi
                           "--max-len-b", "5"])
     line = last_line(err)
     assert code == 1 and "Traceback" not in out + err, err[-3000:]
-    assert line.startswith("fairseq-modattn evaluate: error: fairseq-generate: the data-bin's dictionaries are not"), \
-        line
+    # refused before anything is generated: evaluate compares each checkpoint's record itself
+    assert line.startswith("fairseq-modattn evaluate: error: the data-bin's dictionaries are not the ones the "
+                           "checkpoint was built with"), line
     assert_names_both(line, multi30k_bin, reordered_bin)
     assert not (tmp_path / "eval" / "results.json").exists()
     # redundancy / plot and serve's translator load through analysis.loading
@@ -193,14 +205,124 @@ def test_averaged_checkpoints_keep_the_fingerprint(multi30k_bin, reordered_bin, 
 
 
 # ------------------------------------------------------------------ plain fairseq checkpoints
-def test_plain_transformer_checkpoint_is_compared_with_its_recorded_data_bin(multi30k_bin, reordered_bin, tmp_path,
-                                                                             caplog):
-    trained_on = tmp_path / "train_bin"
-    shutil.copytree(multi30k_bin, trained_on)
-    save = tmp_path / "transformer"
-    run_cli([fairseq_cli("fairseq-train"), trained_on, *tiny_train_args("transformer"), "--max-update", "2",
-             "--save-dir", save])
-    checkpoint = save / "checkpoint_last.pt"
+@pytest.fixture(scope="module")
+def transformer_run(multi30k_bin, tmp_path_factory):
+    """A plain fairseq ``--arch transformer`` of 2 updates trained with the plugin loaded, on a
+    copy of the fixture's data-bin (``train_bin``, which a test may remove):
+    checkpoint_1_1.pt, checkpoint_1_2.pt, checkpoint_last.pt."""
+    root = tmp_path_factory.mktemp("transformer_dictionaries")
+    shutil.copytree(multi30k_bin, root / "train_bin")
+    run_cli([fairseq_cli("fairseq-train"), root / "train_bin", *tiny_train_args("transformer"), "--max-update", "2",
+             "--save-interval-updates", "1", "--save-dir", root / "run"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def swapped_bin(multi30k_bin, tmp_path_factory):
+    """The fixture's data-bin with two words of both dictionaries swapped: same symbols, same
+    sizes, only two ids mean other words."""
+    target = tmp_path_factory.mktemp("swapped") / "bin"
+    shutil.copytree(multi30k_bin, target)
+    for lang in ("de", "en"):
+        lines = (multi30k_bin / f"dict.{lang}.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+        lines[10], lines[11] = lines[11], lines[10]
+        (target / f"dict.{lang}.txt").write_text("".join(lines), encoding="utf-8")
+    return target
+
+
+def shown(row) -> str:
+    """A recorded fingerprint row (size, eight 32-bit words) as dictionary_fingerprint() shows it."""
+    values = [int(v) for v in row.tolist()]
+    return f"{''.join(f'{w:08x}' for w in values[1:])[:12]} ({values[0]} symbols)"
+
+
+def without_record(checkpoint: Path, output: Path) -> Path:
+    """CHECKPOINT as saved before the plugin recorded dictionaries (no extra-state fingerprint)."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    del state["extra_state"][FINGERPRINT_KEY]
+    torch.save(state, output)
+    return output
+
+
+def test_plain_transformer_checkpoint_records_its_dictionaries_and_every_load_checks_them(
+        multi30k_bin, swapped_bin, transformer_run, tmp_path):
+    """Issue 57 (3): a plain --arch transformer trained with --user-dir fairseq_modattn loaded
+    silently on a data-bin with two symbols swapped in fairseq-generate (exit 0, 100
+    hypotheses), from_pretrained, fairseq-train's --restore-file, `evaluate --checkpoints
+    other.pt good.pt` (only the last was compared; the mixed average was scored) and `average`
+    of checkpoints of different dictionaries (exit 0). Each fails on the main before the record."""
+    run_dir, trained_on = transformer_run / "run", transformer_run / "train_bin"
+    checkpoint = run_dir / "checkpoint_last.pt"
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    recorded = state["extra_state"][FINGERPRINT_KEY]
+    assert recorded.dtype == torch.int64 and recorded.shape == (2, 9)
+    assert [shown(r) for r in recorded] == [dictionary_fingerprint(trained_on / f"dict.{lang}.txt")
+                                           for lang in ("de", "en")]
+    assert FINGERPRINT_KEY not in state["model"]  # fairseq's model and its strict loading are untouched
+
+    code, out, err = run([fairseq_cli("fairseq-generate"), swapped_bin, "--user-dir", PLUGIN, "--path",
+                                     checkpoint, *GENERATE])
+    line = last_line(err)
+    assert code == 1 and "Traceback" not in out + err and not hypotheses(out), err[-3000:]
+    assert line.startswith("fairseq-generate: error: the data-bin's dictionaries are not the ones the checkpoint "
+                           "was built with"), line
+    assert_names_both(line, trained_on, swapped_bin)
+    assert f"(trained on {trained_on.resolve()})" in line, line
+
+    text = {"tokenizer": "moses", "bpe": "subword_nmt", "bpe_codes": str(bpe_codes(multi30k_bin))}
+    with pytest.raises(DictionaryMismatchError, match="the data-bin's dictionaries are not the ones"):
+        fairseq_modattn.from_pretrained(str(run_dir), "checkpoint_last.pt", str(swapped_bin), **text)
+    assert fairseq_modattn.from_pretrained(str(run_dir), "checkpoint_last.pt", str(multi30k_bin), **text) is not None
+
+    code, out, err = run([fairseq_cli("fairseq-train"), swapped_bin, *tiny_train_args("transformer"),
+                                     "--max-update", "3", "--save-dir", tmp_path / "fresh", "--restore-file",
+                                     checkpoint])
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert last_line(err).startswith("fairseq-train: error: the data-bin's dictionaries are not the ones"), err[-2000:]
+    assert not list((tmp_path / "fresh").glob("*.pt"))
+
+    # a checkpoint of the same architecture trained on the swapped data-bin: the record is what
+    # decides, so that checkpoint's record and recorded data-bin are those training would write
+    other = tmp_path / "other.pt"
+    state["extra_state"][FINGERPRINT_KEY] = torch.stack(
+        [dictionaries_fingerprint_of(swapped_bin / f"dict.{lang}.txt") for lang in ("de", "en")])
+    state["cfg"]["task"]["data"] = str(swapped_bin)
+    torch.save(state, other)
+    evaluated, averaged = run_commands([
+        (MODATTN_MAIN, ["evaluate", multi30k_bin, "--checkpoints", other, checkpoint, "--subset", "valid", "--beam",
+                        "1", "--work-dir", tmp_path / "eval", "--", "--max-len-b", "5"]),
+        (MODATTN_MAIN, ["average", "--inputs", checkpoint, other, "--output", tmp_path / "averaged.pt"]),
+    ])
+    code, out, err = evaluated
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert last_line(err).startswith(f"fairseq-modattn evaluate: error: {other}: the data-bin's dictionaries are not "
+                                     "the ones the checkpoint was built with"), err[-2000:]
+    assert not (tmp_path / "eval" / "results.json").exists() and not (tmp_path / "eval" / "averaged.pt").exists()
+    code, out, err = averaged
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert last_line(err) == (
+        f"fairseq-modattn average: error: {other} was trained with other dictionaries than {checkpoint} (source "
+        f"{shown(state['extra_state'][FINGERPRINT_KEY][0])}, target {shown(state['extra_state'][FINGERPRINT_KEY][1])} "
+        f"against source {shown(recorded[0])}, target {shown(recorded[1])}): checkpoints of different dictionaries "
+        "cannot be averaged"), err[-2000:]
+    assert not (tmp_path / "averaged.pt").exists()
+
+
+def dictionaries_fingerprint_of(path: Path) -> torch.Tensor:
+    """(9,) the record of one dictionary file, computed here from its definition (docs/design.md)."""
+    from fairseq.data import Dictionary
+
+    symbols = Dictionary.load(str(path)).symbols
+    digest = hashlib.sha256(b"".join(len(s.encode()).to_bytes(4, "big") + s.encode() for s in symbols)).digest()
+    return torch.tensor([len(symbols), *(int.from_bytes(digest[i:i + 4], "big") for i in range(0, 32, 4))])
+
+
+def test_plain_checkpoint_without_a_record_is_compared_with_its_recorded_data_bin(multi30k_bin, reordered_bin,
+                                                                                 transformer_run, tmp_path, caplog):
+    """A checkpoint that records no fingerprint (saved by fairseq without the plugin, or before
+    the record): the data-bin given now is compared with the one its task recorded."""
+    trained_on = transformer_run / "train_bin"
+    checkpoint = without_record(transformer_run / "run" / "checkpoint_last.pt", tmp_path / "old.pt")
 
     def evaluate(data, work):
         return run([MODATTN, "evaluate", data, "--path", checkpoint, "--subset", "valid", "--beam", "1",
@@ -243,3 +365,6 @@ def test_plain_transformer_checkpoint_is_compared_with_its_recorded_data_bin(mul
         load_model(checkpoint, reordered_bin)  # cannot tell any more: loads, and warns
     warnings = [r.getMessage() for r in caplog.records if "cannot tell" in r.getMessage()]
     assert len(warnings) == 1 and f"{trained_on.resolve()}, no longer holds" in warnings[0], warnings
+    # the checkpoint that records its dictionaries needs no folder to compare with
+    with pytest.raises(AnalysisError, match="the data-bin's dictionaries are not the ones the checkpoint was built"):
+        load_model(transformer_run / "run" / "checkpoint_last.pt", reordered_bin)

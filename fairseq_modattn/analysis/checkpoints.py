@@ -20,11 +20,12 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..atomic_files import atomic_write
+from ..dictionaries import describe, recorded_fingerprint, same_fingerprints
 from ..disk_space import tensor_bytes
 from . import AnalysisError
 
@@ -154,6 +155,24 @@ def _check_same_layout(reference: Dict[str, object], model: Dict[str, object], p
             raise AnalysisError(f"model entry {key!r} differs between {first} and {path}")
 
 
+def _check_same_dictionaries(reference: Optional[Tuple[torch.Tensor, Path]], state: dict, path: Path):
+    """(fingerprint, file) of the dictionaries the checkpoints up to PATH record, after checking
+    that the checkpoint STATE of PATH records those of REFERENCE (the first that recorded any):
+    token id i of one model means another word in a model of other dictionaries, and their mean
+    is neither. A checkpoint that records none (saved without the plugin) cannot be checked."""
+    recorded = recorded_fingerprint(state)
+    if recorded is None:
+        return reference
+    if reference is None:
+        return recorded, path
+    if not same_fingerprints(recorded, reference[0]):
+        raise AnalysisError(f"{path} was trained with other dictionaries than {reference[1]} (source "
+                            f"{describe(recorded[0])}, target {describe(recorded[1])} against source "
+                            f"{describe(reference[0][0])}, target {describe(reference[0][1])}): checkpoints of "
+                            "different dictionaries cannot be averaged")
+    return reference
+
+
 def average_checkpoints(paths: Sequence[PathLike]) -> dict:
     """The last checkpoint's dict with its ``model`` replaced by the element-wise mean of all
     the checkpoints' floating-point tensors (what fairseq's ``average_checkpoints.py`` writes).
@@ -170,9 +189,11 @@ def average_checkpoints(paths: Sequence[PathLike]) -> dict:
     layout: Dict[str, object] = {}
     sums: Dict[str, torch.Tensor] = {}
     state: dict = {}
+    dictionaries: Optional[Tuple[torch.Tensor, Path]] = None
     for index, path in enumerate(files):
         state = load_checkpoint_safely(path)
         model = state["model"]
+        dictionaries = _check_same_dictionaries(dictionaries, state, path)
         if index == 0:
             layout = _layout(model)
         else:

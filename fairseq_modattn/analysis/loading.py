@@ -43,7 +43,7 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
 
     import fairseq_modattn  # noqa: F401  (registers the models; applies the loading fixes of compat/)
     from fairseq_modattn.compat.damaged_checkpoints import DamagedCheckpointError, describe_load_failure
-    from fairseq_modattn.dictionaries import DictionaryMismatchError, check_recorded_data_bin
+    from fairseq_modattn.dictionaries import DictionaryMismatchError, check_checkpoint_dictionaries
 
     path = Path(path)
     problem = path_problem(path, data)
@@ -56,9 +56,9 @@ def load_model(path, data: Optional[str] = None, cpu: bool = True):
                             "fairseq-preprocess writes): pass the data-bin folder the model was trained on")
     overrides = {"data": str(data)} if data is not None else {}
     try:
-        # a checkpoint without a fingerprint of its dictionaries (fairseq's own models): compare
-        # the data-bin with the one it recorded; this package's models check in load_state_dict
-        cannot_tell = check_recorded_data_bin(path, data)
+        # the data-bin's dictionaries against those the checkpoint records, or, where it records
+        # none, against those of the data-bin it was trained on
+        cannot_tell = check_checkpoint_dictionaries(path, data)
         if cannot_tell:
             logger.warning(cannot_tell)
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides=overrides)

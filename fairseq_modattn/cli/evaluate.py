@@ -215,7 +215,7 @@ def _run_generate(command: List[str], output: Path, expected: int, log: Callable
         log_file = output.with_suffix(".log")
         said = last_error_line(stdout + log_file.read_text(encoding="utf-8", errors="replace"))
         one_line = re.match(r"fairseq-generate: error: (.+)$", said)
-        # compat's one-line errors (fix 14: a damaged checkpoint, a data-bin of other dictionaries)
+        # compat's one-line errors (fix 15: a damaged checkpoint, a data-bin of other dictionaries)
         if one_line:
             raise AnalysisError(f"fairseq-generate: {one_line.group(1)}")
         raise AnalysisError(f"fairseq-generate exited with status {code}{f': {said}' if said else ''} "
@@ -413,17 +413,17 @@ def evaluate_checkpoints(
     command += [str(a) for a in extra_generate_args]
     generation = generation_options(command[1:])  # what fairseq-generate will run with (-- args win)
 
-    # the data-bin against the one a checkpoint without a fingerprint of its dictionaries recorded
-    # (this package's models refuse other dictionaries themselves, in fairseq-generate); the
-    # averaged checkpoint keeps the last checkpoint's configuration
-    from ..dictionaries import DictionaryMismatchError, check_recorded_data_bin
+    # every checkpoint against the data-bin's dictionaries, before any is averaged: the average of
+    # models of other dictionaries is no model, and fairseq-generate sees only the average
+    from ..dictionaries import DictionaryMismatchError, check_checkpoint_dictionaries
 
-    try:
-        cannot_tell = check_recorded_data_bin(checkpoints[-1], data, src, tgt)
-    except DictionaryMismatchError as e:
-        raise AnalysisError(str(e)) from e
-    if cannot_tell:
-        log(f"warning: {cannot_tell}")
+    for checkpoint in checkpoints:
+        try:
+            cannot_tell = check_checkpoint_dictionaries(checkpoint, data, src, tgt)
+        except DictionaryMismatchError as e:
+            raise AnalysisError(f"{checkpoint}: {e}" if len(checkpoints) > 1 else str(e)) from e
+        if cannot_tell:
+            log(f"warning: {cannot_tell}")
     comet_model = None
     if comet is not None:  # before the translation: a model that cannot be loaded stops the command now
         from ..analysis.comet_scoring import load_comet_model

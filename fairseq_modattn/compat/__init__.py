@@ -29,7 +29,8 @@ FIXES = (
     "unknown_architecture",        # 11
     "one_training_per_save_dir",   # 12
     "atomic_checkpoint_saves",     # 13
-    "one_line_errors",             # 14, last: prints the errors the fixes before it raise
+    "dictionaries_in_every_checkpoint",  # 14
+    "one_line_errors",             # 15, last: prints the errors the fixes before it raise
 )
 
 

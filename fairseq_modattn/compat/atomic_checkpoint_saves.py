@@ -22,7 +22,7 @@ while the filesystem has less room than the write still needed) raises ``DiskFul
 one line naming the folder, the bytes the file needs (the checkpoint's tensor bytes, or the
 copied file's size), the bytes free, and that ``checkpoint_last.pt`` is intact and a rerun
 resumes from it (on the first save, which complete checkpoint to copy there); an uncaught one is
-printed as that line alone (fix 14's ``sys.excepthook``). The price: replacing
+printed as that line alone (fix 15's ``sys.excepthook``). The price: replacing
 ``checkpoint_last.pt`` needs room for the old and the new file side by side for a moment, which
 the in-place copy did not.
 

@@ -8,7 +8,7 @@ traceback about a "central directory". When the load fails and the file is not a
 archive, ``load_checkpoint_to_cpu_reporting_damage`` raises ``DamagedCheckpointError``, whose
 one line names the file and the newest intact ``checkpoint_E_U.pt`` / ``checkpointE.pt`` /
 ``checkpoint_best.pt`` of its folder to restore from; an uncaught one is printed as that line
-alone (fix 14's ``sys.excepthook``). The package's own loaders (``analysis.checkpoints``,
+alone (fix 15's ``sys.excepthook``). The package's own loaders (``analysis.checkpoints``,
 ``analysis.loading``) report the same line through ``describe_load_failure``, which also words
 the refusals of fix 4's allow-list.
 

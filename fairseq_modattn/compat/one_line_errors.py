@@ -1,4 +1,4 @@
-"""Fix 14: fairseq's commands print the package's one-line errors as that one line.
+"""Fix 15: fairseq's commands print the package's one-line errors as that one line.
 
 The package raises errors whose message is one line saying what is wrong and what to do:
 ``DamagedCheckpointError`` (fix 9), ``UnknownArchitectureError`` (fix 11), ``FolderInUseError``

@@ -9,7 +9,7 @@ file called ``dummy``) and never asks whether another training writes there: two
 takes the package's folder lock (``folder_lock``: an flock on ``.NAME.lock`` beside the folder,
 held until the process exits and released by the kernel however it exits) before fairseq's
 check; a second training into the folder stops at once with one line naming the first one's pid
-and command (``FolderInUseError``, printed as that line by fix 14's ``sys.excepthook``). fairseq
+and command (``FolderInUseError``, printed as that line by fix 15's ``sys.excepthook``). fairseq
 calls the check on the master rank only, so the ranks of one distributed job do not refuse each
 other.
 

@@ -8,7 +8,7 @@ joined to ``"Available models: {}"`` and then ``.format``-ted, and the braces in
 deep in a traceback, with ``IndexError: Replacement index 1 out of range for positional args
 tuple`` instead of the model's name. ``build_model_naming_unknown_architecture`` looks the model
 type up first and raises ``UnknownArchitectureError``, one line naming it and saying which
-``--user-dir`` is missing (printed as that line alone by fix 14's ``sys.excepthook``; the
+``--user-dir`` is missing (printed as that line alone by fix 15's ``sys.excepthook``; the
 package's loaders report it as their one-line error). A checkpoint of THIS plugin loaded without
 ``--user-dir`` never imports this module: README.md, "Troubleshooting", quotes what fairseq
 prints then.

@@ -9,6 +9,12 @@ is running, on any machine), the second one runs to its refusal, then the first 
 its end and is compared with a solo run. The other writers (``average``, ``redundancy``, ``plot``,
 ``quickstart``, ``ablate``, the benchmarks) meet a process that holds their output through the
 package's lock the way their first instance would.
+
+A lock is asked of the kernel, never decided from a recorded pid (which a killed run may have
+left to an unrelated process), it is met through every path to its folder (a bind mount, a
+rename), it needs no writable parent, and a folder's lock and a lock anywhere inside the folder
+refuse each other in either order. Those cases meet light holders (``folder_lock.py`` loaded
+alone), and a real ``fairseq-train`` where the issue names one.
 """
 
 import contextlib
@@ -24,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tiers
 from conftest import MODATTN, MODATTN_MAIN, REPO, cli_environment, fairseq_cli, run_cli, run_commands, tiny_train_args
 from fairseq_modattn import folder_lock
 from fairseq_modattn.data.steps import Steps
@@ -35,6 +42,7 @@ def start(args, **kwargs) -> subprocess.Popen:
                             env=cli_environment(), **kwargs)
 
 
+@tiers.starts_processes  # the walk of tiers.py does not see through contextmanager's wrapper
 @contextlib.contextmanager
 def running(args, **kwargs):
     """A started command, killed (and reaped) on every way out of the block."""
@@ -97,14 +105,32 @@ LOAD_FOLDER_LOCK = ("import importlib.util, sys\n"
                     "folder_lock = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(folder_lock)\n")
 
 
+@tiers.starts_processes
 @contextlib.contextmanager
-def held_by_another_process(*paths: Path):
-    """A real process holding the package's locks of PATHS (as a first command would); its pid."""
+def held_by_another_process(*paths: Path, prefix=()):
+    """A real process holding the package's locks of PATHS (as a first command would); its pid.
+    PREFIX: a command that runs it (``unshare ...``), which must exec it (the pid is the holder's)."""
     code = (LOAD_FOLDER_LOCK + "import time\nfor path in sys.argv[1:]:\n    folder_lock.acquire(path)\n"
             "print('held', flush=True)\ntime.sleep(600)\n")
-    with running([sys.executable, "-c", code, *paths]) as proc:
+    with running([*prefix, sys.executable, "-c", code, *paths]) as proc:
         assert proc.stdout.readline().strip() == "held", proc.stderr.read()
         yield proc.pid
+
+
+def refused_here(path: Path, what: str, *needles) -> None:
+    """Locking PATH in this process (not the holder's descendant) fails with one line holding
+    every NEEDLE; a lock it got by mistake is released at once."""
+    with pytest.raises(folder_lock.FolderInUseError) as caught:
+        with folder_lock.exclusive_use(path, what=what):
+            pass
+    message = str(caught.value)
+    assert "\n" not in message and all(str(needle) in message for needle in needles), message
+
+
+#: a light process locking argv[1] as fairseq-train locks its --save-dir: prints ``locked``, or
+#: exits with the one error line
+LOCK_SAVE_DIR = (LOAD_FOLDER_LOCK + "try:\n    folder_lock.acquire(sys.argv[1], what='--save-dir')\n"
+                 "except folder_lock.FolderInUseError as e:\n    sys.exit(f'error: {e}')\nprint('locked')\n")
 
 
 # ------------------------------------------------------------------------------ prepare
@@ -249,8 +275,7 @@ def test_every_other_writer_refuses_an_output_in_use(multi30k_bin, tiny_checkpoi
 def test_a_folder_lock_covers_its_entries_except_for_the_holders_own_children(tmp_path):
     """What lies directly in a held folder is refused to other processes, not to the holder's
     children (a benchmark's fairseq-train writes its --save-dir inside the benchmark's folder)."""
-    lock_entry = (LOAD_FOLDER_LOCK + "try:\n    folder_lock.acquire(sys.argv[1], what='--save-dir')\n"
-                  "except folder_lock.FolderInUseError as e:\n    sys.exit(f'error: {e}')\nprint('locked')\n")
+    lock_entry = LOCK_SAVE_DIR
     entry = tmp_path / "bench" / "dma"
     with folder_lock.exclusive_use(tmp_path / "bench"):
         child = subprocess.run([sys.executable, "-c", lock_entry, entry], capture_output=True, text=True,
@@ -258,3 +283,106 @@ def test_a_folder_lock_covers_its_entries_except_for_the_holders_own_children(tm
         assert child.returncode == 0 and child.stdout.strip() == "locked", child.stderr[-2000:]
     with held_by_another_process(tmp_path / "bench") as pid:
         refused([sys.executable, "-c", lock_entry, entry], pid, f"--save-dir {entry} is in {tmp_path / 'bench'}")
+
+
+# ------------------------------------------------------------------------------ what a lock is
+def test_a_folder_and_anything_inside_it_refuse_each_other_at_any_depth_in_either_order(tmp_path):
+    """Not only a folder's direct entries: a lock three levels down refuses the folder (and the
+    folders between), the folder's lock refuses anything three levels down; the holder's own
+    children stay exempt at any depth."""
+    with held_by_another_process(tmp_path / "F" / "a" / "b" / "c") as pid:
+        for outer in (tmp_path / "F", tmp_path / "F" / "a"):
+            refused_here(outer, "--output-dir", f"--output-dir {outer} is in use by pid {pid} (",
+                         "which writes inside it")
+        with folder_lock.exclusive_use(tmp_path / "F" / "a" / "other"):  # beside it: no conflict
+            pass
+    with held_by_another_process(tmp_path / "G") as pid:
+        refused_here(tmp_path / "G" / "a" / "b" / "c", "--save-dir",
+                     f"is in {tmp_path / 'G'}, which is in use by pid {pid}")
+    deep = tmp_path / "bench" / "dma" / "seed1" / "checkpoints"
+    with folder_lock.exclusive_use(tmp_path / "bench"):
+        child = subprocess.run([sys.executable, "-c", LOCK_SAVE_DIR, deep], capture_output=True, text=True,
+                               env=cli_environment(), timeout=300)
+        assert child.returncode == 0 and child.stdout.strip() == "locked", child.stderr[-2000:]
+
+
+def test_evaluate_first_then_a_training_into_the_checkpoints_folder_is_refused(multi30k_bin, tmp_path):
+    """``evaluate --path ck/checkpoint_last.pt`` writes its work dir ``ck/evaluation``; a
+    ``fairseq-train --save-dir ck`` started after it ran before (only the reverse order was
+    refused). The holder holds the work dir as evaluate does; the training is the real one."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    with held_by_another_process(ck / "evaluation") as pid:
+        refused([fairseq_cli("fairseq-train"), multi30k_bin, *tiny_train_args("dma"), "--max-update", "1",
+                 "--save-dir", ck], pid, f"--save-dir {ck}", "which writes inside it")
+        assert sorted(p.name for p in ck.iterdir()) == [".evaluation.lock"]  # no checkpoint, no dummy
+        trained = tmp_path / "trained"
+        with held_by_another_process(trained) as trainer:  # the order that was refused already
+            refused_here(trained / "evaluation", "--work-dir", f"is in {trained}, which is in use by pid {trainer}")
+
+
+def test_a_stale_lock_file_naming_a_live_unrelated_process_holds_nothing(tmp_path):
+    """A killed run's lock file names its pid; once that pid is another process's (a reused
+    pid), the folder is still free: ``evaluate --output D/r.json`` (its output and work dir in D)
+    was refused as in D, in use by that process."""
+    folder = tmp_path / "D"
+    folder.mkdir()
+    with running(["sleep", "600"]) as unrelated:
+        folder_lock.lock_file(folder).write_text(f"{unrelated.pid} fairseq-train data-bin --save-dir {folder}\n")
+        assert folder_lock.current_holder(folder) is None
+        with folder_lock.exclusive_use(folder / "r.json", what="--output"), \
+                folder_lock.exclusive_use(folder / "r.work", what="--work-dir"):
+            assert folder_lock.current_holder(folder / "r.json") == os.getpid()
+        with folder_lock.exclusive_use(folder, what="--output-dir"):  # the stale file itself is taken over
+            assert folder_lock.current_holder(folder) == os.getpid()
+
+
+def test_a_folder_is_locked_by_its_identity_so_a_renamed_folder_is_still_held(tmp_path):
+    """Two paths, one folder (one st_dev and st_ino), without mounting anything: a folder renamed
+    while a run holds it is still that run's under its new name (as a bind mount is)."""
+    ck, moved = tmp_path / "ck", tmp_path / "moved"
+    ck.mkdir()
+    with held_by_another_process(ck) as pid:
+        ck.rename(moved)
+        assert folder_lock.current_holder(moved) == pid
+        refused_here(moved, "--save-dir", f"--save-dir {moved} is in use by pid {pid}")
+        refused_here(moved / "evaluation", "--work-dir", f"is in {moved}, which is in use by pid {pid}")
+    assert not list(moved.iterdir())
+
+
+def test_two_trainings_through_a_bind_mount_of_the_save_dir_are_refused(tmp_path):
+    """``mount --bind ck ck2``: a training into ck2 while one writes ck is refused (in a user and
+    mount namespace of its own: ``unshare -rm``, where this machine lets a user mount)."""
+    ck, ck2 = tmp_path / "ck", tmp_path / "ck2"
+    ck.mkdir()
+    ck2.mkdir()
+    if shutil.which("unshare") is None:
+        pytest.skip("mounting is not allowed here (no unshare to mount in a namespace of its own); the identity "
+                    "itself is tested by the renamed folder")
+    probe = subprocess.run(["unshare", "-rm", "mount", "--bind", ck, ck2], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"mounting is not allowed here (unshare -rm mount --bind: {probe.stderr.strip()[:200]}); "
+                    "the identity itself is tested by the renamed folder")
+    bind_then_lock = f'mount --bind "$1" "$2" && exec "{sys.executable}" -c "$0" "$2"'
+    with held_by_another_process(ck) as pid:
+        refused(["unshare", "-rm", "sh", "-c", bind_then_lock, LOCK_SAVE_DIR, ck, ck2], pid,
+                f"--save-dir {ck2} is in use by pid {pid}")
+
+
+def test_a_save_dir_writable_inside_a_read_only_parent_is_locked_not_refused(tmp_path):
+    """No lock file can sit beside it: the folder's own lock holds it, and a second run is still
+    refused. As root, who may write anywhere, the runs are another user in a user namespace."""
+    parent, save = tmp_path / "shared", tmp_path / "shared" / "ck"
+    save.mkdir(parents=True)
+    parent.chmod(0o555)
+    prefix = ["unshare", "--map-user=1000", "--map-group=1000"] if os.geteuid() == 0 else []
+    try:
+        if prefix and (shutil.which("unshare") is None
+                       or subprocess.run([*prefix, "true"], capture_output=True).returncode != 0):
+            pytest.skip("running as root, who writes into a read-only folder, and a user namespace to run as "
+                        "another user is not allowed here")
+        with held_by_another_process(save, prefix=prefix) as pid:
+            refused([*prefix, sys.executable, "-c", LOCK_SAVE_DIR, save], pid, f"--save-dir {save} is in use by")
+        assert sorted(p.name for p in parent.iterdir()) == ["ck"]
+    finally:
+        parent.chmod(0o755)

@@ -1,6 +1,7 @@
 """``fairseq-modattn compare`` end to end, in-process: hypothesis files and evaluate-style results
 JSONs written here (no training), the table and the JSON it writes, and its one-line errors."""
 
+import hashlib
 import json
 import os
 import random
@@ -37,12 +38,21 @@ def corpus(tmp_path):
     return files
 
 
-def evaluate_json(folder, hyps, refs, **extra):
-    """What fairseq-modattn evaluate writes: results.json beside hyp.txt and ref.txt, naming them."""
+def sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def evaluate_json(folder, hyps, refs, lowercase=False, checksums=True, **extra):
+    """What fairseq-modattn evaluate writes: results.json beside hyp.txt and ref.txt, naming them,
+    with the sacreBLEU it scored them with and, unless not CHECKSUMS (an evaluate before they
+    were recorded), their SHA-256."""
     folder.mkdir(parents=True)
     hyp, ref = write_lines(folder / "hyp.txt", hyps), write_lines(folder / "ref.txt", refs)
-    results = {"sacrebleu": 0.0, "sacrebleu_tokenize": "13a", "hypotheses_file": str(hyp.resolve()),
-               "references_file": str(ref.resolve()), **extra}
+    results = {"sacrebleu": BLEU(lowercase=lowercase).corpus_score(hyps, [refs]).score, "sacrebleu_tokenize": "13a",
+               "lowercase": lowercase, "hypotheses_file": str(hyp.resolve()), "references_file": str(ref.resolve()),
+               **extra}
+    if checksums:
+        results.update(hypotheses_sha256=sha256(hyp), references_sha256=sha256(ref))
     path = folder / "results.json"
     path.write_text(json.dumps(results), encoding="utf-8")
     return path
@@ -108,11 +118,12 @@ def test_evaluate_jsons_seeds_pooled_and_case(corpus, tmp_path, capsys):
     refs = lines(corpus["ref"])
     # lower-cased systems against true-case references, as the Multi30k recipe's: case-insensitive
     # BLEU and chrF, as evaluate scores them; each evaluation wrote its own copy of the reference
-    jsons = {f"{n}{s}": evaluate_json(tmp_path / f"{n}{s}", [h.lower() for h in lines(corpus[f"{n}{s}"])], refs)
+    jsons = {f"{n}{s}": evaluate_json(tmp_path / f"{n}{s}", [h.lower() for h in lines(corpus[f"{n}{s}"])], refs,
+                                      lowercase=True)
              for n in ("base", "dma") for s in (1, 2)}
     out_json = tmp_path / "cmp.json"
     code, out, err = run(capsys, "--system", "base", jsons["base1"], jsons["base2"], "--system", "dma",
-                         jsons["dma1"], jsons["dma2"], "--metrics", "bleu", "chrf", "--samples", 50,
+                         jsons["dma1"], jsons["dma2"], "--metrics", "bleu", "chrf", "--samples", 100,
                          "--json", out_json)
     assert code == 0, err
     report = json.loads(out_json.read_text())
@@ -127,7 +138,7 @@ def test_evaluate_jsons_seeds_pooled_and_case(corpus, tmp_path, capsys):
 
     # --case-sensitive, and a rerun replaces the JSON this command wrote
     code, out, err = run(capsys, "--system", "base", jsons["base1"], "--system", "dma", jsons["dma1"],
-                         "--metrics", "bleu", "--samples", 20, "--case-sensitive", "--json", out_json)
+                         "--metrics", "bleu", "--samples", 100, "--case-sensitive", "--json", out_json)
     assert code == 0, err
     report = json.loads(out_json.read_text())
     assert report["lowercase"] is False and "case:mixed" in report["metrics"]["bleu"]["signature"]
@@ -187,3 +198,155 @@ def test_refuses_an_existing_json_it_did_not_write(corpus, tmp_path, capsys):
                        "--references", corpus["ref"], "--json", tmp_path)
     assert code == 1 and "is a directory" in err
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no lock or temporary left
+
+
+# ------------------------------------------------------------------ issue 57, item 2: what compare refuses
+def one_line(err):
+    """The error line, checked to be the only line the command wrote to stderr."""
+    assert len(err.splitlines()) == 1 and err.startswith("fairseq-modattn compare: error: "), err
+    return err
+
+
+def test_a_scored_text_changed_since_evaluate_is_refused(corpus, tmp_path, capsys):
+    """The references copied over a results JSON's hyp.txt scored BLEU 100 beside a JSON that says
+    otherwise: the checksums evaluate records name the changed file instead."""
+    refs = lines(corpus["ref"])
+    tf = evaluate_json(tmp_path / "tf", lines(corpus["base1"]), refs)
+    dma = evaluate_json(tmp_path / "dma", lines(corpus["dma1"]), refs)
+    hyp, ref = tmp_path / "tf" / "hyp.txt", tmp_path / "tf" / "ref.txt"
+    hyp.write_bytes(ref.read_bytes())
+    code, out, err = run(capsys, "--system", "tf", tf, "--system", "dma", dma)
+    assert code == 1 and out == ""
+    assert f"system tf: {hyp} has changed since evaluate wrote {tf}" in one_line(err)
+    assert '"hypotheses_sha256"' in err
+    # a reference changed is refused the same way, before it is compared with the other JSON's
+    write_lines(hyp, lines(corpus["base1"]))
+    write_lines(ref, refs[:-1] + ["something else"])
+    code, out, err = run(capsys, "--system", "tf", tf, "--system", "dma", dma)
+    assert code == 1 and out == "" and f"{ref} has changed since evaluate wrote {tf}" in one_line(err)
+
+
+def test_a_json_without_checksums_must_score_as_it_records(corpus, tmp_path, capsys):
+    """An evaluate before the checksums: its recorded sacreBLEU, scored again, is the check."""
+    refs = lines(corpus["ref"])
+    tf = evaluate_json(tmp_path / "tf", lines(corpus["base1"]), refs, checksums=False)
+    dma = evaluate_json(tmp_path / "dma", lines(corpus["dma1"]), refs, checksums=False)
+    code, _, err = run(capsys, "--system", "tf", tf, "--system", "dma", dma, "--metrics", "bleu")
+    assert code == 0, err  # unchanged: accepted without checksums
+    recorded = json.loads(tf.read_text())["sacrebleu"]
+    write_lines(tmp_path / "tf" / "hyp.txt", refs)
+    code, out, err = run(capsys, "--system", "tf", tf, "--system", "dma", dma)
+    assert code == 1 and out == ""
+    assert f"system tf: {tf} records sacreBLEU {recorded:.2f}, but its {tmp_path / 'tf' / 'hyp.txt'} scores " \
+           "100.00" in one_line(err)
+
+
+def test_one_file_as_two_systems_is_reported_identical(corpus, tmp_path, capsys):
+    """sacreBLEU's p is 1 / (N + 1) when every resample ties: identical systems get p = 1."""
+    out_json = tmp_path / "cmp.json"
+    code, out, err = run(capsys, "--system", "A", corpus["base1"], "--system", "B", corpus["base1"],
+                         "--references", corpus["ref"], "--samples", 100, "--json", out_json)
+    assert code == 0, err
+    for metric in ("bleu", "chrf", "ter"):
+        c = json.loads(out_json.read_text())["metrics"][metric]["comparisons"]["B"]
+        assert (c["delta"], c["ci95"], c["p_value"], c["identical"]) == (0.0, [0.0, 0.0], 1.0, True), c
+        assert c["verdict"] == "no difference"
+    rows = [row for row in out.splitlines() if " B " in row]
+    assert len(rows) == 3 and all(row.endswith("+0.00 [+0.00, +0.00]  1.0000  no difference (identical)")
+                                  for row in rows), out
+    assert "identical: the same score as the baseline on the test set and on every resample" in out
+
+
+def test_too_few_resamples_are_refused(corpus, capsys):
+    """--samples 1 gave a verdict whose difference lay outside its own interval."""
+    for samples in (1, 99):
+        code, out, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", corpus["dma1"],
+                             "--references", corpus["ref"], "--samples", samples)
+        assert code == 2 and out == ""
+        assert f"--samples {samples}: give at least 100 resamples" in one_line(err)
+
+
+def test_one_file_given_as_two_seeds_is_refused(corpus, tmp_path, capsys):
+    """Another spelling, a symlink and a hard link of one file, and two JSONs naming one hyp.txt."""
+    base1 = corpus["base1"]
+    (tmp_path / "link.txt").symlink_to(base1)
+    os.link(base1, tmp_path / "hard.txt")
+    refs = lines(corpus["ref"])
+    first = evaluate_json(tmp_path / "e1", lines(corpus["dma1"]), refs)
+    second = tmp_path / "e1" / "copy.json"
+    second.write_text(first.read_text(), encoding="utf-8")
+    for seeds in ([base1, tmp_path / "." / "x" / ".." / "base1.txt"], [base1, tmp_path / "link.txt"],
+                  [tmp_path / "hard.txt", base1]):
+        (tmp_path / "x").mkdir(exist_ok=True)
+        code, out, err = run(capsys, "--system", "base", *seeds, "--system", "dma", corpus["dma1"],
+                             "--references", corpus["ref"])
+        assert code == 1 and out == ""
+        assert f"system base: {seeds[0]} and {seeds[1]} are one file" in one_line(err), seeds
+    code, out, err = run(capsys, "--system", "base", base1, "--system", "dma", first, second,
+                         "--references", corpus["ref"])
+    assert code == 1 and out == ""
+    assert f"system dma: {first} (its {tmp_path / 'e1' / 'hyp.txt'}) and {second} (its " in one_line(err)
+
+
+def test_resamples_beyond_the_memory_are_refused_before_allocating(corpus, capsys, monkeypatch):
+    """--samples 100000000 ended in numpy's _ArrayMemoryError traceback."""
+    code, out, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", corpus["dma1"],
+                         "--references", corpus["ref"], "--samples", 10 ** 12)
+    assert code == 1 and out == ""
+    assert (f"--samples 1000000000000 would need 480000.0 GB of memory (1,000,000,000,000 resamples x "
+            f"{SENTENCES} sentences x 16 bytes), more than the ") in one_line(err)
+    # the bound is the memory available now: 1000 resamples of 30 sentences need 480,000 bytes
+    from fairseq_modattn.analysis import significance
+
+    monkeypatch.setattr(significance, "available_memory", lambda: 479_999)
+    code, out, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", corpus["dma1"],
+                         "--references", corpus["ref"])
+    assert code == 1 and out == "" and "would need 480.0 KB of memory" in one_line(err)
+    monkeypatch.setattr(significance, "available_memory", lambda: 480_000)
+    code, _, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", corpus["dma1"],
+                       "--references", corpus["ref"], "--metrics", "bleu")
+    assert code == 0, err
+
+
+def test_a_line_longer_than_the_limit_is_refused(corpus, tmp_path, capsys):
+    """One 10 MB hypothesis line made TER run for minutes at gigabytes: lines over 10,000
+    characters are refused, naming the file and line; 10,000 are scored."""
+    hyps = lines(corpus["dma1"])
+    at_limit = write_lines(tmp_path / "at_limit.txt", hyps[:4] + ["x" * 10_000] + hyps[5:])
+    code, _, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", at_limit,
+                       "--references", corpus["ref"], "--metrics", "ter")
+    assert code == 0, err
+    over = write_lines(tmp_path / "over.txt", hyps[:4] + ["x" * 10_001] + hyps[5:])
+    code, out, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", over,
+                         "--references", corpus["ref"])
+    assert code == 1 and out == ""
+    assert one_line(err) == (f"fairseq-modattn compare: error: system dma: {over} line 5 has 10,001 characters, more "
+                             "than the 10,000 compare scores in a line (no sentence is that long: a binary file, or "
+                             "a whole document on one line?)\n")
+    refs = write_lines(tmp_path / "refs.txt", lines(corpus["ref"])[:-1] + ["y" * 20_000])
+    code, out, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", corpus["dma1"],
+                         "--references", refs)
+    assert code == 1 and out == "" and f"references: {refs} line {SENTENCES} has 20,000 characters" in one_line(err)
+
+
+def test_a_json_folder_that_cannot_be_written_is_refused_before_the_bootstrap(corpus, tmp_path, capsys, monkeypatch):
+    """--json in a folder that cannot be created (its parent is a file) was refused only after the
+    whole computation."""
+    from fairseq_modattn.cli import compare as compare_cli
+
+    def no_bootstrap(*args, **kwargs):
+        raise AssertionError("the bootstrap ran before the --json folder was checked")
+
+    monkeypatch.setattr(compare_cli, "compare_systems", no_bootstrap)
+    blocker = write_lines(tmp_path / "notes.txt", ["a file, not a folder"])
+    code, out, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", corpus["dma1"],
+                         "--references", corpus["ref"], "--json", blocker / "cmp.json")
+    assert code == 1 and out == ""
+    assert f"--json {blocker / 'cmp.json'} is not writable (cannot create {blocker / '.cmp.json.tmp-'}" in \
+        one_line(err)
+    if os.geteuid() != 0:  # root writes into a read-only folder regardless
+        locked = tmp_path / "read-only"
+        locked.mkdir(mode=0o555)
+        code, out, err = run(capsys, "--system", "base", corpus["base1"], "--system", "dma", corpus["dma1"],
+                             "--references", corpus["ref"], "--json", locked / "cmp.json")
+        assert code == 1 and out == "" and f"--json {locked / 'cmp.json'} is not writable" in one_line(err)

@@ -5,13 +5,17 @@ fairseq-generate on a tiny model:
    ones the JSON records, as must fairseq's defaults when none is given;
 7. a lower-cased system scored against true-case ``--references`` must be scored
    case-insensitively, and say so, unless ``--case-sensitive``; a true-case system, or
-   lower-cased references, are scored case-sensitively as before.
+   lower-cased references, are scored case-sensitively as before;
+
+and of issue 57, item 2: the checksums evaluate records of the text it scored, which ``compare``
+checks (compare's other refusals are in test_compare_cli.py, without evaluate).
 
 The expected values are computed here directly: sacrebleu on the Moses-detokenized ``H-`` lines
 of fairseq-generate's output, and fairseq's own GenerationConfig defaults.
 """
 
 import dataclasses
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -204,6 +208,41 @@ def test_case_detection_rules():
     assert not scoring.lowercased_system(["a man ."], ["a man ."])
     assert not scoring.lowercased_system(["123 ."], ["A 123 ."])  # nothing cased in the system
     assert not scoring.lowercased_system(["一个 人"], ["一个 人"])
+
+
+# ------------------------------------------------------------------ issue 57, item 2
+def test_evaluate_records_checksums_that_compare_checks(runs, tmp_path, capsys):
+    """evaluate records the SHA-256 of the hyp.txt and ref.txt it writes; compare scores them as
+    evaluate did, and refuses the hypotheses once the references are copied over them (compare
+    then reported BLEU 100 beside a JSON that said otherwise)."""
+    from fairseq_modattn.cli.main import main
+
+    results, _, hyps, targets = runs("beam4", "--", "--beam", "4", "--lenpen", "0.6", *SHORT)
+    output = runs.root / "beam4.json"
+    hyp, ref = Path(results["hypotheses_file"]), Path(results["references_file"])
+    assert hyp.read_text(encoding="utf-8").splitlines() == hyps
+    assert ref.read_text(encoding="utf-8").splitlines() == targets
+    assert results["hypotheses_sha256"] == hashlib.sha256(hyp.read_bytes()).hexdigest()
+    assert results["references_sha256"] == hashlib.sha256(ref.read_bytes()).hexdigest()
+    assert results["hypotheses_sha256"] != results["references_sha256"]
+
+    compared = tmp_path / "compare.json"
+    argv = ["compare", "--system", "tf", str(output), "--system", "dma", str(output), "--metrics", "bleu",
+            "--samples", "100", "--json", str(compared)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads(compared.read_text())["metrics"]["bleu"]["scores"]["tf"] == pytest.approx(
+        results["sacrebleu"], abs=1e-9)
+    capsys.readouterr()
+    kept = hyp.read_bytes()
+    try:
+        hyp.write_bytes(ref.read_bytes())
+        code = main(argv)
+    finally:
+        hyp.write_bytes(kept)  # the module's other tests read this evaluation
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"fairseq-modattn compare: error: system tf: {hyp} has changed since evaluate wrote "
+                          f"{output}"), err
 
 
 # ------------------------------------------------------------------ helpers of item 6

@@ -59,7 +59,7 @@ def test_quickstart_prepares_trains_evaluates_and_tabulates(multi30k_dir, tmp_pa
     # compare reads evaluate's real results JSONs (their hyp.txt / ref.txt) and scores each system
     # exactly as evaluate did
     _, log = run_cli([MODATTN, "compare", "--system", "transformer", out / "transformer" / "evaluation" / "results.json",
-                      "--system", "dma", out / "dma" / "evaluation" / "results.json", "--samples", "50",
+                      "--system", "dma", out / "dma" / "evaluation" / "results.json", "--samples", "100",
                       "--json", tmp_path / "compare.json"])
     compared = json.loads((tmp_path / "compare.json").read_text())
     assert compared["sentences"] == 1000 and compared["baseline"] == "transformer", log

@@ -125,9 +125,10 @@ def test_verdicts(data, metric):
     same = paired_bootstrap(base, base, refs, metric=metric, samples=50)
     assert (same.delta, same.ci_low, same.ci_high, same.verdict) == (0.0, 0.0, 0.0, "no difference")
     # sacreBLEU's test counts resamples whose centred difference strictly exceeds the observed
-    # one: for identical systems none does, so p is its floor 1 / (N + 1), not 1
-    assert same.p_value == pytest.approx(1 / 51)
-    assert paired_bootstrap(better, base, refs, metric=metric, samples=50).verdict == "worse"
+    # one: for identical systems none does, and its p is its floor 1 / (N + 1); here p = 1
+    assert same.p_value == 1.0 and same.identical and same.as_dict()["identical"] is True
+    worse = paired_bootstrap(better, base, refs, metric=metric, samples=50)
+    assert worse.verdict == "worse" and not worse.identical
     assert [c.verdict for c in seed_pairs(base, better, refs, metric=metric, samples=50)] == ["better"] * 3
 
 
@@ -150,3 +151,50 @@ def test_refuses_misaligned_runs_and_bad_comparisons(data):
         compare_systems([("x", base), ("x", better)], refs)
     with pytest.raises(AnalysisError, match="unknown metric meteor"):
         compare_systems([("base", base), ("better", better)], refs, metrics=["meteor"])
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_identical_systems_get_p_1_others_sacrebleus_p(data, metric, monkeypatch):
+    """Every resample ties for one run given as two systems: p = 1 where PairedTest prints
+    1 / (N + 1); a system that differs keeps PairedTest's p."""
+    refs, base, better, _ = data
+    result = compare_systems([("base", [base[0]]), ("same", [list(base[0])]), ("better", [better[0]])], refs,
+                             metrics=[metric], samples=SAMPLES)[metric]
+    sacre = paired_test(metric, [("base", base[0]), ("same", base[0]), ("better", better[0])], refs, SAMPLES,
+                        monkeypatch)
+    assert sacre[1].p_value == pytest.approx(1 / (SAMPLES + 1))
+    assert (result.comparisons["same"].p_value, result.comparisons["same"].identical) == (1.0, True)
+    assert result.comparisons["better"].p_value == sacre[2].p_value
+    assert not result.comparisons["better"].identical
+
+
+def test_the_resample_counts_take_the_memory_they_are_said_to():
+    """resample_memory is what check_resample_memory refuses by: it must bound the real peak."""
+    import tracemalloc
+
+    from fairseq_modattn.analysis import significance
+
+    tracemalloc.start()  # numpy reports its array buffers to tracemalloc
+    try:
+        counts = resample_counts(500, 400, SACREBLEU_SEED)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    need = significance.resample_memory(500, 400)
+    assert counts.nbytes < peak <= need * 1.01, (peak, need)
+
+
+def test_resamples_beyond_the_memory_available_are_refused_before_the_draw(data, monkeypatch):
+    from fairseq_modattn.analysis import significance
+
+    refs, base, better, _ = data
+    assert significance.available_memory() > 0  # this machine's, read from the system
+    monkeypatch.setattr(significance, "available_memory", lambda: 16 * 30 * 1000 - 1)
+
+    def no_draw(*args):
+        raise AssertionError("drawn before the memory was checked")
+
+    monkeypatch.setattr(significance, "resample_counts", no_draw)
+    with pytest.raises(AnalysisError, match=r"samples 1000 would need 480.0 KB of memory \(1,000 resamples x 30 "
+                                            r"sentences x 16 bytes\), more than the 480.0 KB available"):
+        compare_systems([("base", base), ("better", better)], refs, samples=1000)

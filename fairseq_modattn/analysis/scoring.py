@@ -11,12 +11,16 @@
 * chrF and TER beside it, sacreBLEU's ``CHRF()`` and ``TER()`` with their defaults, each with its
   signature: :func:`detok_chrf`, :func:`detok_ter`; :func:`translation_scores` computes all three
   metrics from the same detokenized lines, the one place every command's scores come from.
+* :func:`scored_text_sha256`: the checksum ``evaluate`` records of each text file it scored, and
+  ``compare`` checks before it scores the file again.
 
 :func:`parse_generate_output` reads ``fairseq-generate``'s stdout into a :class:`GenerateResult`.
 """
 
+import hashlib
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from . import AnalysisError
@@ -260,3 +264,15 @@ def detokenize(lines: Sequence[str], lang: str) -> List[str]:
 
     detok = MosesDetokenizer(lang=lang)
     return [detok.detokenize(line.split()) for line in lines]
+
+
+def scored_text_sha256(path) -> str:
+    """SHA-256 (hex) of the bytes of PATH, a scored text file: what ``evaluate`` records of the
+    ``hyp.txt`` and ``ref.txt`` it writes (``hypotheses_sha256``, ``references_sha256``), so that
+    ``compare`` can tell the file it reads is still the text that was scored. Read in 1 MiB
+    blocks, so a large file is never held whole."""
+    digest = hashlib.sha256()
+    with open(Path(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -96,6 +96,14 @@ def _write_transcripts(output, hyps: Sequence[str], refs: Sequence[str]) -> Dict
     return {"hypotheses_file": str(hyp_path.resolve()), "references_file": str(ref_path.resolve())}
 
 
+def _with_checksums(transcripts: Dict[str, str]) -> Dict[str, str]:
+    """TRANSCRIPTS (``hypotheses_file``, ``references_file``) and the SHA-256 of each file as
+    written, ``hypotheses_sha256`` and ``references_sha256``: ``compare`` refuses a file that no
+    longer matches (changed since, so no longer the text these scores are of)."""
+    return {**transcripts, "hypotheses_sha256": scoring.scored_text_sha256(transcripts["hypotheses_file"]),
+            "references_sha256": scoring.scored_text_sha256(transcripts["references_file"])}
+
+
 # ------------------------------------------------------------------ the data-bin split
 def _split_prefixes(data: Path, subset: str, src: Optional[str], tgt: Optional[str]) -> Tuple[List[Path], str, str]:
     """(source-side index prefixes of SUBSET, SUBSET1, ..., source lang, target lang).
@@ -483,7 +491,7 @@ def evaluate_checkpoints(
     log("sacreBLEU {:.2f}, chrF {:.2f}, TER {:.2f}{} on {} sentences of {}".format(
         sacre["sacrebleu"], sacre["chrf"], sacre["ter"], "" if comet_score is None else f", COMET {comet_score:.4f}",
         expected, subset))
-    transcripts = _write_transcripts(output, detok_hyps, refs_for_sacrebleu)
+    transcripts = _with_checksums(_write_transcripts(output, detok_hyps, refs_for_sacrebleu))
     return {
         "data": data,
         "subset": subset,
@@ -547,7 +555,7 @@ def complete_recorded_scores(results: dict, output) -> bool:
                             f"{results['sacrebleu']:.4f}: the kept output is not what was scored; remove {output} "
                             "to evaluate anew")
     results.update({k: v for k, v in scores.items() if k not in results})
-    results.update(_write_transcripts(output, hyps, refs))
+    results.update(_with_checksums(_write_transcripts(output, hyps, refs)))
     return True
 
 

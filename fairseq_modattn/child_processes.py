@@ -17,6 +17,14 @@ Linux only for ``die_with_parent`` (``prctl(PR_SET_PDEATHSIG)``); elsewhere it i
 the parent still stops its children on any exception. The kernel signals the child when the
 *thread* that started it ends, so a child must be waited for by the thread that started it, as
 every caller here does.
+
+A process forked while ``stopping_on_sigterm``'s handler is installed (a ``multiprocessing``
+worker: the Moses tokeniser's pool in ``prepare``) starts with SIGTERM at its default again
+(``_forked_child``): that handler is the command's, not the worker's. A worker that kept it
+turned the SIGTERM of ``Pool.terminate()`` into "stop the parent's children, then
+KeyboardInterrupt", which printed ``Process ForkPoolWorker-3: Traceback ... KeyboardInterrupt``
+whenever the pool's terminate reached a worker still exiting (a race, seen on a busy machine),
+and made a worker stop fairseq processes that were its parent's.
 """
 
 import contextlib
@@ -26,10 +34,10 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Sequence, Set
 
 _PR_SET_PDEATHSIG = 1
-_RUNNING = set()
+_RUNNING: Set[subprocess.Popen] = set()
 _LOCK = threading.Lock()
 #: set by stop_all: no child starts after it (a pool's queued runs would start new ones)
 _STOPPING = threading.Event()
@@ -106,25 +114,68 @@ def stop_all() -> None:
         _stop(proc)
 
 
+def _stop_and_interrupt(signum, frame):
+    """``stopping_on_sigterm``'s SIGTERM handler (one module-level function, so that the fork
+    hooks below can tell it is the one installed)."""
+    stop_all()
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def stopping_on_sigterm():
     """While the block runs in the main thread, SIGTERM stops the children and raises
     KeyboardInterrupt there, so the command ends as on Ctrl-C; the previous handler comes back
-    afterwards. Elsewhere (a thread, where Python cannot install handlers) it does nothing."""
+    afterwards. Elsewhere (a thread, where Python cannot install handlers) it does nothing.
+    Processes forked meanwhile do not inherit the handler (module docstring)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous: Optional[object] = signal.getsignal(signal.SIGTERM)
-
-    def handler(signum, frame):
-        stop_all()
-        raise KeyboardInterrupt
-
+    previous = signal.getsignal(signal.SIGTERM)
     # a new command in this process may start children again; the flag is not cleared on the way
     # out, where the interrupted command's pool threads may still be picking up queued runs
     _STOPPING.clear()
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, _stop_and_interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# Forked children and the handler. Why fork hooks and not a ``Pool(initializer=...)`` that
+# resets SIGTERM: they cover every fork of the process (the Moses pool, a torch DataLoader's
+# workers, ``subprocess`` with a ``preexec_fn``) without each call site having to know, and they
+# leave no window. An initializer runs only once the worker is up, so a SIGTERM
+# before it still meets the inherited handler; and CPython clears the signals pending for its
+# handlers in a child's after-fork bookkeeping, so a SIGTERM that arrived between fork() and that
+# point would be lost, leaving ``Pool.terminate()`` waiting for a worker that never ends. Here the
+# forking thread blocks SIGTERM across fork(), and the child sets SIGTERM to its default before
+# it unblocks it: a SIGTERM sent at any moment is held by the kernel, then kills the child. The
+# hooks cannot be unregistered, so they are registered once and act only while
+# ``_stop_and_interrupt`` is the installed handler: other forks are left exactly as they were.
+_FORK = threading.local()  # the forking thread's signal mask before fork, while SIGTERM is held
+
+
+def _handler_installed() -> bool:
+    return signal.getsignal(signal.SIGTERM) is _stop_and_interrupt
+
+
+def _before_fork() -> None:
+    _FORK.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if _handler_installed() else None
+
+
+def _restore_mask() -> None:
+    mask, _FORK.mask = getattr(_FORK, "mask", None), None
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _forked_child() -> None:
+    if _handler_installed():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # the parent's children are not this process's to stop
+        _RUNNING.clear()
+    _restore_mask()
+
+
+if hasattr(os, "register_at_fork") and hasattr(signal, "pthread_sigmask"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_restore_mask, after_in_child=_forked_child)

@@ -126,6 +126,57 @@ def test_sigterm_ends_a_resumable_command_like_ctrl_c(pids):
         stop(parent)
 
 
+def _sleep_until_killed(ready):
+    ready.set()
+    time.sleep(600)
+
+
+def _blocked_signals(status: str) -> set:
+    """The signals blocked in a process, from the SigBlk line of its /proc/PID/status."""
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+@pytest.mark.e2e  # forks the test's process (tests/tiers.py: process starts the walk cannot see)
+def test_a_process_forked_under_the_handler_dies_by_sigterm_quietly(pids, capfd):
+    """A process forked while ``stopping_on_sigterm``'s handler is installed (the Moses
+    tokeniser's Pool workers in ``prepare``, whose ``terminate()`` sends them SIGTERM) ends by the
+    signal: it neither inherits the handler, which raised KeyboardInterrupt in the worker
+    ('Process ForkPoolWorker-3: Traceback ... raise KeyboardInterrupt'), nor stops the fairseq
+    processes its parent started. A command started meanwhile gets SIGTERM unblocked."""
+    import multiprocessing
+
+    from fairseq_modattn import child_processes
+
+    context = multiprocessing.get_context("fork")
+    with child_processes.stopping_on_sigterm():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the handler is in place
+        sibling = child_processes.start([sys.executable, "-c", SLEEPER, str(pids)])
+        ready = context.Event()
+        worker = context.Process(target=_sleep_until_killed, args=(ready,))
+        worker.start()
+        try:
+            assert ready.wait(30)
+            os.kill(worker.pid, signal.SIGTERM)
+            worker.join(30)
+            status = child_processes.start(["cat", "/proc/self/status"], stdout=subprocess.PIPE, text=True)
+            blocked = _blocked_signals(status.communicate(timeout=30)[0])
+            child_processes.finished(status)
+            sibling_alive = sibling.poll() is None
+        finally:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+            sibling.kill()
+            sibling.wait()
+            child_processes.finished(sibling)
+    err = capfd.readouterr().err
+    assert worker.exitcode == -signal.SIGTERM, f"the worker ended with {worker.exitcode}:\n{err}"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert sibling_alive, "the forked worker stopped its parent's child"
+    assert signal.SIGTERM not in blocked
+
+
 def test_sigterm_stops_the_multi30k_benchmark_and_its_fairseq_train(multi30k_bin, tmp_path):
     """The real thing: benchmarks/multi30k.py stopped by SIGTERM while fairseq-train runs ends
     with status 130, and no fairseq-train is left writing into the run's folder."""

@@ -147,6 +147,69 @@ def test_a_rank_leaves_no_process_group_behind():
     assert pickle.loads(pickle.dumps(distributed_utils.distributed_main)) is distributed_utils.distributed_main
 
 
+# ------------------------------------------------------------------ 16. warnings fairseq causes
+#: each warning fix 16 drops, as fairseq-train and fairseq-generate printed it on a CPU, with the
+#: module it was attributed to (fairseq-fixed 0.12.3.1, hydra-core 1.3.2, torch 2.13)
+FAIRSEQ_WARNINGS = [
+    ("hydra.experimental.initialize() is no longer experimental. Use hydra.initialize()", UserWarning,
+     "hydra.experimental.initialize"),
+    ("\nThe version_base parameter is not specified.\nPlease specify a compatability version level, or None.\n"
+     "Will assume defaults for version 1.1", UserWarning, "hydra.experimental.initialize"),
+    ("hydra.experimental.compose() is no longer experimental. Use hydra.compose()", UserWarning,
+     "hydra.experimental.compose"),
+    ("In 'config': Usage of deprecated keyword in package header '# @package _group_'.\nSee "
+     "https://hydra.cc/docs/1.2/upgrades/1.0_to_1.1/changes_to_package_header for more information", UserWarning,
+     "hydra.core.default_element"),
+    *[("\n'config' is validated against ConfigStore schema with the same name.\nThis behavior is deprecated in "
+       "Hydra 1.1 and will be removed in Hydra 1.2.\nSee https://hydra.cc/docs/1.2/upgrades/1.0_to_1.1/"
+       "automatic_schema_matching for migration instructions.", UserWarning, module)
+      for module in ("sys", "__main__")],  # fairseq-train's, fairseq-generate's
+    ("\nThe strict flag in the compose API is deprecated.\nSee https://hydra.cc/docs/1.2/upgrades/0.11_to_1.0/"
+     "strict_mode_flag_deprecated for more info.\n", UserWarning, "hydra.compose"),
+    ("`torch.cuda.amp.autocast(args...)` is deprecated. Please use `torch.amp.autocast('cuda', args...)` instead.",
+     FutureWarning, "fairseq.tasks.fairseq_task"),
+    ("Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both instead.",
+     UserWarning, "torch.nn.functional"),
+    ("'pin_memory' argument is set as true but no accelerator is found, then device pinned memory won't be used.",
+     UserWarning, "torch.utils.data.dataloader"),
+]
+
+
+def test_warnings_fairseq_causes_are_dropped_and_the_same_words_from_user_code_still_show():
+    """Fix 16 drops each warning where fairseq, or hydra and torch on its behalf, emit it, and
+    nothing else: the same text from the user's own module is shown, and so is any other warning
+    of those modules. The real runs are checked in tests/test_quickstart.py (fairseq-train's
+    output holds no warning)."""
+    import warnings
+
+    from fairseq_modattn.compat import harmless_warnings
+
+    installed = harmless_warnings.needed()
+    assert installed == (harmless_warnings.HYDRA_1_0_API + harmless_warnings.AUTOCAST + harmless_warnings.MIXED_MASKS
+                         + harmless_warnings.PIN_MEMORY), "the installed fairseq no longer causes one of them"
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.resetwarnings()  # the filters of this test run (pyproject's ignore FutureWarning) aside
+        harmless_warnings.install(installed)
+        warnings.simplefilter("always", append=True)  # whatever the fix lets through is recorded
+        for text, category, module in FAIRSEQ_WARNINGS:
+            warnings.warn_explicit(text, category, f"/site-packages/{module.replace('.', '/')}.py", 1, module=module)
+        assert [str(w.message) for w in shown] == []
+        for text, category, _ in FAIRSEQ_WARNINGS:
+            warnings.warn_explicit(text, category, "/home/user/translate.py", 7, module="translate")
+        warnings.warn_explicit("'pin_memory' is not supported here", UserWarning, "dataloader.py", 1,
+                               module="torch.utils.data.dataloader")
+        assert [(str(w.message), w.category) for w in shown] == (
+            [(text, category) for text, category, _ in FAIRSEQ_WARNINGS]
+            + [("'pin_memory' is not supported here", UserWarning)])
+
+        # torch's own warning, raised for real by a DataLoader as fairseq builds it
+        if not torch.accelerator.is_available():
+            shown.clear()
+            loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2, pin_memory=True)
+            assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+            assert [str(w.message) for w in shown] == []
+
+
 # ------------------------------------------------------------------ the package of fixes
 def test_the_apply_order_names_every_fix_module_once_with_its_number():
     """A fix module left out of compat.FIXES would never be applied; the number in each module's
@@ -166,9 +229,11 @@ def test_the_apply_order_names_every_fix_module_once_with_its_number():
 
 def test_applying_the_fixes_again_installs_nothing_twice():
     """``import fairseq_modattn`` applied them once; a second apply() leaves every patched name,
-    the excepthook, the log filter and torch's allow-list as they are (no wrapper of a wrapper)."""
+    the excepthook, the log filter, torch's allow-list and the warning filters as they are (no wrapper
+    of a wrapper, no filter twice)."""
     import logging
     import sys
+    import warnings
 
     from fairseq import checkpoint_utils, models
     from fairseq.distributed import utils as distributed_utils
@@ -184,7 +249,7 @@ def test_applying_the_fixes_again_installs_nothing_twice():
         return ([getattr(module, name) for module, name in patched], sys.excepthook,
                 list(logging.getLogger("fairseq.tasks.text_to_speech").filters),
                 set(torch.serialization.get_safe_globals()), logging.getLogger().level,
-                list(logging.getLogger().handlers))
+                list(logging.getLogger().handlers), list(warnings.filters))
 
     before = state()
     compat.apply()

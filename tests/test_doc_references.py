@@ -448,6 +448,25 @@ def test_readme_lists_every_architecture():
         f"and misses {sorted(set(plugin_architectures()) - set(listed))}")
 
 
+def test_readme_starts_with_a_first_run_that_says_what_it_shows():
+    """A reader meets the one-command first run within the README's first 60 lines, with what its
+    table is (a smoke run; the comparison is docs/results.md), how to run it from a local copy of
+    the corpus, and, for fairseq-interactive, what its input must be."""
+    readme = (REPO / "README.md").read_text()
+    lines = readme.splitlines()
+    start = lines.index("## First run: one command")
+    assert start < 60 and lines.index("## Install") < start
+    section = "\n".join(lines[start:lines.index(next(line for line in lines[start + 1:] if line.startswith("## ")))])
+    runs = [words for words in commands_of(section) if words[:2] == ["fairseq-modattn", "quickstart"]]
+    assert any("--no-download" in words and "--raw-dir" in words for words in runs), runs
+    smoke = section[section.index("smoke run, not a comparison"):]
+    assert "docs/results.md" in smoke[:smoke.index("\n\n")]
+    interactive = readme[readme.index("fairseq-interactive data-bin/"):]
+    note = interactive[interactive.index("```\n\n") + 5:]
+    note = " ".join(note[:note.index("\n\n")].split())
+    assert "tokenised and BPE'd" in note and "(#python-api)" in note, note
+
+
 def path_exists(path: str) -> bool:
     pattern = re.sub(r"<[^>]*>|\bCORPUS\b|\bNAME\b|\{[^}]*\}", "*", path)
     if "*" in pattern:

@@ -55,6 +55,21 @@ def test_quickstart_prepares_trains_evaluates_and_tabulates(multi30k_dir, tmp_pa
         assert re.search(rf"^\| {name} \| {row['params']:,} \| {cells} \| ", table, re.M), table
     for column in ("sacreBLEU", "chrF", "TER"):  # the signatures in the caption, once
         assert table.count(f"{column} `{rows['dma'][column + ' signature']}`") == 1, table
+    # the table and summary.json name the data-bin where it lies, not a placeholder
+    data_bin = str((out / "data-bin" / "multi30k.de-en").resolve())
+    assert summary["settings"]["data"] == data_bin and f"Data `{data_bin}`" in table
+    assert "OUTPUT_DIR" not in table + (out / "summary.json").read_text()
+    # the caption, and the printed table, say that one seed at this budget compares nothing
+    for text in (table, log):
+        note = re.search(r"^A smoke run, not a comparison: one seed and 3 updates per model .*$", text, re.M)
+        assert note and "docs/results.md" in note.group(0), text[-3000:]
+
+    # a first run without false alarms: no warning from fairseq-train (its whole output is in
+    # train.log) nor from quickstart itself, no traceback of a worker process
+    for name in rows:
+        train_log = (out / name / "train.log").read_text()
+        assert not re.findall(r"^.*Warning: .*$", train_log, re.M), train_log[:3000]
+    assert not re.findall(r"^.*Warning: .*$", log, re.M) and "Traceback" not in log, log[-3000:]
 
     # compare reads evaluate's real results JSONs (their hyp.txt / ref.txt) and scores each system
     # exactly as evaluate did

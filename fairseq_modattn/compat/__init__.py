@@ -30,7 +30,8 @@ FIXES = (
     "one_training_per_save_dir",   # 12
     "atomic_checkpoint_saves",     # 13
     "dictionaries_in_every_checkpoint",  # 14
-    "one_line_errors",             # 15, last: prints the errors the fixes before it raise
+    "one_line_errors",             # 15, after every fix that raises: prints the errors they raise
+    "harmless_warnings",           # 16, raises nothing: warning filters
 )
 
 

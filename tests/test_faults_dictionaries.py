@@ -59,14 +59,26 @@ def hypotheses(output):
     return sorted(line for line in output.splitlines() if line.startswith("H-"))
 
 
-def dictionary_fingerprint(path: Path) -> str:
-    """'1a2b3c4d5e6f (N symbols)': SHA-256 over the symbols of the dictionary as fairseq loads it
-    (special symbols first), each length-prefixed, as docs/design.md defines it."""
+def dictionaries_fingerprint_of(path: Path) -> torch.Tensor:
+    """(9,) the record of one dictionary file as docs/design.md defines it: its number of symbols
+    (as fairseq loads it, special symbols first), then SHA-256 over the symbols, each
+    length-prefixed, as eight 32-bit words."""
     from fairseq.data import Dictionary
 
     symbols = Dictionary.load(str(path)).symbols
-    digest = hashlib.sha256(b"".join(len(s.encode()).to_bytes(4, "big") + s.encode() for s in symbols))
-    return f"{digest.hexdigest()[:12]} ({len(symbols)} symbols)"
+    digest = hashlib.sha256(b"".join(len(s.encode()).to_bytes(4, "big") + s.encode() for s in symbols)).digest()
+    return torch.tensor([len(symbols), *(int.from_bytes(digest[i:i + 4], "big") for i in range(0, 32, 4))])
+
+
+def shown(row) -> str:
+    """A fingerprint row (size, eight 32-bit words) as the messages show it: '1a2b3c4d5e6f (N symbols)'."""
+    values = [int(v) for v in row.tolist()]
+    return f"{''.join(f'{w:08x}' for w in values[1:])[:12]} ({values[0]} symbols)"
+
+
+def dictionary_fingerprint(path: Path) -> str:
+    """The fingerprint of the dictionary file PATH as the messages show it."""
+    return shown(dictionaries_fingerprint_of(path))
 
 
 @pytest.fixture(scope="module")
@@ -230,12 +242,6 @@ def swapped_bin(multi30k_bin, tmp_path_factory):
     return target
 
 
-def shown(row) -> str:
-    """A recorded fingerprint row (size, eight 32-bit words) as dictionary_fingerprint() shows it."""
-    values = [int(v) for v in row.tolist()]
-    return f"{''.join(f'{w:08x}' for w in values[1:])[:12]} ({values[0]} symbols)"
-
-
 def without_record(checkpoint: Path, output: Path) -> Path:
     """CHECKPOINT as saved before the plugin recorded dictionaries (no extra-state fingerprint)."""
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
@@ -306,15 +312,6 @@ def test_plain_transformer_checkpoint_records_its_dictionaries_and_every_load_ch
         f"against source {shown(recorded[0])}, target {shown(recorded[1])}): checkpoints of different dictionaries "
         "cannot be averaged"), err[-2000:]
     assert not (tmp_path / "averaged.pt").exists()
-
-
-def dictionaries_fingerprint_of(path: Path) -> torch.Tensor:
-    """(9,) the record of one dictionary file, computed here from its definition (docs/design.md)."""
-    from fairseq.data import Dictionary
-
-    symbols = Dictionary.load(str(path)).symbols
-    digest = hashlib.sha256(b"".join(len(s.encode()).to_bytes(4, "big") + s.encode() for s in symbols)).digest()
-    return torch.tensor([len(symbols), *(int.from_bytes(digest[i:i + 4], "big") for i in range(0, 32, 4))])
 
 
 def test_plain_checkpoint_without_a_record_is_compared_with_its_recorded_data_bin(multi30k_bin, reordered_bin,

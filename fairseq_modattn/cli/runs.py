@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,12 +193,8 @@ def _measure(path, label, model_path, data, subset, attentions, cpu, log) -> Dic
     model, task, _ = load_model(str(model_path), data, cpu=cpu)
     report = {"parameters": sum(p.numel() for p in model.parameters()), "subset": subset, "redundancy": {}}
     for attention in attentions:
-        with warnings.catch_warnings():
-            # fairseq's batches ask for pinned memory, and fairseq's transformer passes a float
-            # attention mask with a bool padding mask; both warnings are about torch, not the run
-            warnings.filterwarnings("ignore", message=".*pin_memory.*")
-            warnings.filterwarnings("ignore", message=".*mismatched key_padding_mask.*")
-            result = measure_redundancy(model, task, subset, attention)
+        # fairseq's pin_memory and mixed-mask warnings are filtered by compat fix 16
+        result = measure_redundancy(model, task, subset, attention)
         report["redundancy"][attention] = result.as_dict()
         log(f"[{label}] {attention}: LR {result.lr:.4f}, HR {result.hr:.4f}")
     write_json_atomically(report, path)

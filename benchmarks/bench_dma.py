@@ -460,6 +460,10 @@ def get_parser():
     p.add_argument("--compile", action="store_true",
                    help="build the DMA model with --dma-compile (its training forwards compiled by torch.compile; "
                         "inductor's kernels then record profiler events, so that --count-ops counts them)")
+    p.add_argument("--dma-backend", choices=("auto", "eager", "compile", "triton"), default=None,
+                   help="build the DMA model with this --dma-backend ('compile' is --compile; 'triton' runs on "
+                        "CUDA, or on the CPU in Triton's interpreter under TRITON_INTERPRET=1, for counting only: "
+                        "each launch of its kernels records one profiler event)")
     p.add_argument("--host-cost", action="store_true",
                    help="also time the host's side of a training step (Python, dispatch, autograd): both models "
                         f"at width {HOST_COST_WIDTH}, on the CPU with one thread and the CUDA path emulated, so "
@@ -474,13 +478,19 @@ def main(argv=None):
     device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
 
     d = synthetic_dictionary(cfg.dict_size)
+    if cfg.dma_backend == "compile":
+        cfg.compile = True
+    elif cfg.dma_backend is not None and cfg.compile:
+        raise SystemExit(f"bench_dma: --compile is --dma-backend compile, not {cfg.dma_backend}")
     if cfg.compile:
         # before anything compiles: the kernels' profiler events are written into their code
         from torch._inductor import config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True
-    compiled = argparse.Namespace(**{**vars(cfg), "model_args": [*cfg.model_args, "--dma-compile"]})
-    entries = [build(name, arch, crit, compiled if cfg.compile and name == "dma" else cfg, d, d, device)
+    backend = "compile" if cfg.compile else cfg.dma_backend
+    dma_cfg = cfg if backend is None else argparse.Namespace(
+        **{**vars(cfg), "model_args": [*cfg.model_args, "--dma-backend", backend]})
+    entries = [build(name, arch, crit, dma_cfg if name == "dma" else cfg, d, d, device)
                for name, arch, crit in MODELS]
     dma = entries[1]["model"]
     a = entries[1]["args"]
@@ -488,7 +498,8 @@ def main(argv=None):
     print(f"models: {a.encoder_embed_dim} emb, {a.encoder_ffn_embed_dim} FFN, {a.encoder_attention_heads} heads, "
           f"{a.encoder_layers}+{a.decoder_layers} layers, dict {len(d)}; params transformer "
           f"{entries[0]['params'] / 1e6:.2f}M, DMA {entries[1]['params'] / 1e6:.2f}M; DMA clusters "
-          f"{a.dma_clusters}, {len(dma.dma_modules())} DMA attentions, gamma {dma.dma_modules()[0].gamma:.3f} "
+          f"{a.dma_clusters}, {len(dma.dma_modules())} DMA attentions, backend {dma.dma_modules()[0].backend}, "
+          f"gamma {dma.dma_modules()[0].gamma:.3f} "
           f"(num_updates {cfg.num_updates})", flush=True)
 
     memory_method = ("torch.cuda.max_memory_allocated" if device.type == "cuda"

@@ -131,9 +131,10 @@ def inputs(kind, padded, dtype=torch.float32, bsz=3, tgt_len=7, src_len=9, seed=
     return x, key, kpm, qpm, mask
 
 
-def step(m, compiled, kind, x, key, kpm, qpm, mask, seed=5, **forward_kwargs):
-    """One training forward and backward from ``seed``: (output, weights, aux_losses, gradients)."""
-    m.compile_math = compiled
+def step(m, compiled, kind, x, key, kpm, qpm, mask, seed=5, backend=None, **forward_kwargs):
+    """One training forward and backward from ``seed``: (output, weights, aux_losses, gradients);
+    ``backend``: the module's backend instead of "compile" or "eager" by ``compiled``."""
+    m.backend = backend or ("compile" if compiled else "eager")
     m.train()
     m.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()  # clone keeps the layout

@@ -67,9 +67,11 @@ from ..modules.attention_base import check_heads
 from ..modules.dma_attention import (
     ATTENTION_IMPLS,
     AUX_LOSS_NAMES,
+    BACKENDS,
     QUERY_GMM_INPUTS,
     SAMPLE_INPUTS,
     DisentangledMaskAttention,
+    check_backend,
     check_dma_parameters,
 )
 from ..modules.gmm import GMM_INITS, check_gmm_init
@@ -129,6 +131,7 @@ def validate_dma_args(args):
         {"num_clusters": "--dma-clusters", **{p: "--dma-" + p.replace("_", "-") for p in DMA_FLAG_PARAMETERS}},
     )
     check_gmm_init(args.dma_gmm_init, "--dma-gmm-init")
+    check_backend(dma_backend(args), "--dma-backend")
     for flag in ("kl_weight", "qq_weight", "xq_weight", "div_weight"):
         check_finite(getattr(args, "dma_" + flag), f"--dma-{flag.replace('_', '-')}", minimum=0.0)
     if args.dma_loss_reduction not in LOSS_REDUCTIONS:
@@ -142,6 +145,17 @@ def validate_dma_args(args):
             f"DMA encoder-decoder attention needs --encoder-embed-dim ({args.encoder_embed_dim}) equal to "
             f"--decoder-embed-dim ({args.decoder_embed_dim}): one token GMM clusters queries and keys"
         )
+
+
+def dma_backend(args) -> str:
+    """The backend the flags choose: --dma-backend, with --dma-compile as its "compile"
+    (checkpoints from before --dma-backend existed carry only dma_compile)."""
+    backend = safe_getattr(args, "dma_backend", None) or "auto"
+    if safe_getattr(args, "dma_compile", False):
+        if backend not in ("auto", "compile"):
+            raise ValueError(f"--dma-compile is --dma-backend compile, which contradicts --dma-backend {backend}")
+        return "compile"
+    return backend
 
 
 def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int,
@@ -167,7 +181,7 @@ def build_dma_attention(cfg, attention_type: str, embed_dim: int, num_heads: int
         div_form=cfg.dma_div_form,
         per_sentence_losses=cfg.dma_loss_reduction == "sentence",
         gmm_init=cfg.dma_gmm_init,
-        compile_math=safe_getattr(cfg, "dma_compile", False),
+        backend=dma_backend(cfg),
         **kwargs,
     )
     module.attention_type = attention_type  # for the authors' per-type reduction
@@ -271,12 +285,16 @@ class DMATransformerModel(TransformerVariantModel):
                                 "'sdpa' (two scaled_dot_product_attention calls, the second with "
                                 "the bias log M; the fast form on CUDA), 'auto' (sdpa on CUDA, "
                                 "fused elsewhere; default). All are exact")
+        group.add_argument("--dma-backend", choices=BACKENDS, metavar="BACKEND",
+                           help="how DMA's training forwards are computed: 'eager' (PyTorch operators), "
+                                "'compile' (each module's forward as one torch.compile'd graph, far fewer "
+                                "kernel launches on a GPU; the first batches compile, about a minute per "
+                                "attention type; where torch.compile fails the modules run eagerly, one log "
+                                "line), 'triton' (the interpolated attention as Triton kernels, one pass "
+                                "with no T x S table in memory; CUDA only, needs the triton package), "
+                                "'auto' (default: eager). Validation and generation run eagerly with all")
         group.add_argument("--dma-compile", action="store_true",
-                           help="compile each DMA module's training forward (GMMs, regularisers, mask "
-                                "and attention) into one graph with torch.compile: far fewer kernel "
-                                "launches on a GPU; validation and generation run eagerly, and where "
-                                "torch.compile fails the modules run eagerly (one log line). The "
-                                "first batches compile (about a minute per attention type)")
+                           help="the same as --dma-backend compile")
 
     encoder_class = DMATransformerEncoder
     decoder_class = DMATransformerDecoder
@@ -403,6 +421,7 @@ def dma_base_architecture(args):
     args.dma_decoder_mask_at_inference = safe_getattr(args, "dma_decoder_mask_at_inference", False)
     args.dma_attention_impl = safe_getattr(args, "dma_attention_impl", "auto")
     args.dma_compile = safe_getattr(args, "dma_compile", False)
+    args.dma_backend = safe_getattr(args, "dma_backend", None) or ("compile" if args.dma_compile else "auto")
     base_architecture(args)
 
 

@@ -332,9 +332,7 @@ class MultiheadAttentionBase(nn.Module):
                 if attn_mask.dim() != 2:
                     raise ValueError("a per-hypothesis attn_mask cannot be combined with beam-shared encoder keys")
                 attn_mask = attn_mask.repeat(beams, 1)
-        mask = additive_attention_mask(
-            key_padding_mask, attn_mask, bsz // beams, self.num_heads, beams * tgt_len, src_len, q.dtype
-        )
+        mask = self.attention_mask(key_padding_mask, attn_mask, bsz // beams, beams * tgt_len, src_len, q.dtype)
         out, weights = self.attend(q, k, v, q_state, k_state, mask, key_padding_mask, need_weights)
         if beams > 1:
             out = _unfold_beams(out, beams)
@@ -349,6 +347,13 @@ class MultiheadAttentionBase(nn.Module):
         if need_head_weights:
             return out, weights.transpose(0, 1)
         return out, weights.mean(dim=1)
+
+    def attention_mask(self, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int,
+                       tgt_len: int, src_len: int, dtype: torch.dtype) -> Optional[Tensor]:
+        """The ``mask`` that ``attend`` gets: fairseq's padding and attention masks as one additive
+        mask (``additive_attention_mask``). A variant whose kernel reads the padding and the
+        attention mask apart may return None and keep ``attn_mask`` for its ``attend``."""
+        return additive_attention_mask(key_padding_mask, attn_mask, bsz, self.num_heads, tgt_len, src_len, dtype)
 
     def _beams_sharing_keys(self, incremental_state, bsz: int) -> int:
         """How many consecutive queries share one sentence's encoder keys: fairseq's beam size in

@@ -70,6 +70,7 @@ from torch import Tensor
 from . import dma_compiled
 from .attention_base import MultiheadAttentionBase
 from .device_paths import path_device
+from .future_mask import is_future_mask
 from .gmm import DiagonalGMM
 from .interpolated_attention import interpolated_masked_attention, log_mask
 from .mi_bounds import (
@@ -84,6 +85,7 @@ from .mi_bounds import (
 from .noise import ReplayableNoise, standard_normal, standard_normal_like
 from .parameter_names import parameter_names
 from .precision import at_least_fp32
+from .triton_support import TRITON_VERSION, kernel_device_error, triton_available
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
 #: "fused": ``interpolated_masked_attention``; "sdpa": two scaled_dot_product_attention calls;
@@ -93,6 +95,20 @@ ATTENTION_IMPLS = ("auto", "fused", "sdpa")
 SAMPLE_INPUTS = ("gmm", "attention")
 #: what the query GMM clusters: q ("raw", the paper) or q / sqrt(d) ("scaled", the authors' code)
 QUERY_GMM_INPUTS = ("raw", "scaled")
+#: how a training forward is computed (``--dma-backend``): "eager" (PyTorch operators and this
+#: package's autograd functions), "compile" (``dma_compiled``: one torch.compile'd graph),
+#: "triton" (the interpolated attention as Triton kernels, ``interpolated_attention_triton``;
+#: CUDA), "auto" (the default: eager, until a GPU's measurements choose otherwise).
+#: Evaluation, validation and generation run eagerly with every backend.
+BACKENDS = ("auto", "eager", "compile", "triton")
+
+
+def check_backend(backend: str, flag: str = "backend"):
+    """ValueError for a backend outside ``BACKENDS``, or "triton" without the triton package."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{flag} must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and not triton_available():
+        raise ValueError(f"{flag} triton needs the triton package (pip install triton=={TRITON_VERSION})")
 
 
 def posteriors(state: Dict[str, Tensor]) -> Tensor:
@@ -150,7 +166,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             "entrywise"), see ``mi_bounds``.
         per_sentence_losses: report each regulariser per sentence (B,) instead of a batch mean.
         gmm_init: "xavier" (the authors') or "spread", see ``gmm.DiagonalGMM.reset_parameters``.
-        compile_math: run training forwards through ``dma_compiled`` (one compiled graph).
+        backend: how training forwards are computed, one of ``BACKENDS``.
+        compile_math: True is backend="compile" (the older spelling).
     """
 
     cached_state_names = ("log_p", "post")
@@ -179,6 +196,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         per_sentence_losses: bool = False,
         gmm_init: str = "xavier",
         compile_math: bool = False,
+        backend: str = "auto",
     ):
         super().__init__(
             embed_dim, num_heads, kdim, vdim, dropout, bias, self_attention, encoder_decoder_attention
@@ -211,7 +229,22 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         #: (B, T) True on padded queries, set by the model for encoder-decoder attention
         self.query_padding_mask: Optional[Tensor] = None
         self.aux_losses: Optional[Dict[str, Tensor]] = None
-        self.compile_math = compile_math
+        check_backend(backend)
+        if compile_math and backend not in ("auto", "compile"):
+            raise ValueError(f"compile_math=True is backend='compile', which contradicts backend={backend!r}")
+        self.backend = "compile" if compile_math else backend
+        #: (attn_mask,) while a forward takes the Triton kernels (``attention_mask`` keeps it)
+        self._kernel_masks: Optional[Tuple[Optional[Tensor]]] = None
+        self._triton_forward = False
+
+    @property
+    def compile_math(self) -> bool:
+        """Whether training forwards run through ``dma_compiled`` (backend "compile")."""
+        return self.backend == "compile"
+
+    @compile_math.setter
+    def compile_math(self, value: bool):
+        self.backend = "compile" if value else "eager"
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None, need_weights=True,
                 static_kv=False, attn_mask=None, before_softmax=False, need_head_weights=False):
@@ -221,8 +254,34 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             )
             if result is not None:  # None: compiling failed, run eagerly
                 return result
-        return super().forward(query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
-                               attn_mask, before_softmax, need_head_weights)
+        self._triton_forward = self._takes_triton_path(query, incremental_state, attn_mask,
+                                                       need_weights or need_head_weights or before_softmax)
+        try:
+            return super().forward(query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
+                                   attn_mask, before_softmax, need_head_weights)
+        finally:
+            self._triton_forward, self._kernel_masks = False, None
+
+    def _takes_triton_path(self, query: Tensor, incremental_state, attn_mask: Optional[Tensor],
+                           need_weights: bool) -> bool:
+        """Whether this forward's attention runs as Triton kernels: backend "triton", a training
+        forward without incremental state or weights, with no attention mask or a 2-D one. The
+        kernels' device must be able to run them (``kernel_device_error``: a one-line error)."""
+        if self.backend != "triton" or not self.training or incremental_state is not None or need_weights:
+            return False
+        if attn_mask is not None and attn_mask.dim() != 2:
+            return False
+        error = kernel_device_error(query)
+        if error is not None:
+            raise RuntimeError(error)
+        return True
+
+    def attention_mask(self, key_padding_mask, attn_mask, bsz, tgt_len, src_len, dtype):
+        if self._triton_forward and self.gamma != 0.0:
+            # the kernels read the padding (B, S) and the attention mask apart: no (B, 1, T, S) table
+            self._kernel_masks = (attn_mask,)
+            return None
+        return super().attention_mask(key_padding_mask, attn_mask, bsz, tgt_len, src_len, dtype)
 
     def set_num_updates(self, num_updates: int):
         self.num_updates = num_updates
@@ -346,6 +405,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             return self.weighted_values(weights, v), weights
 
         p = self.dropout if self.training else 0.0
+        if self._kernel_masks is not None:
+            return self._triton_attention(q, k, v, q_state, k_state, key_padding_mask, gamma, p), None
         if self.uses_fused_kernel(q):
             out = interpolated_masked_attention(q, k, v, q_state["log_p"], k_state["log_p"], mask, gamma, p)
             return out, None
@@ -358,6 +419,24 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return torch.lerp(plain, masked, gamma), None
 
+    def _triton_attention(self, q: Tensor, k: Tensor, v: Tensor, q_state: Dict[str, Tensor],
+                          k_state: Dict[str, Tensor], key_padding_mask: Optional[Tensor], gamma: float,
+                          dropout_p: float) -> Tensor:
+        """A^ V by ``interpolated_attention_triton`` with the masks ``attention_mask`` kept."""
+        from .interpolated_attention_triton import triton_interpolated_attention
+
+        assert self._kernel_masks is not None
+        (attn_mask,) = self._kernel_masks
+        causal = attn_mask is not None and q.size(2) == k.size(2) and is_future_mask(attn_mask)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, device=q.device).masked_fill_(attn_mask, float("-inf"))
+        if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+            key_padding_mask = key_padding_mask.view(torch.uint8)  # the same bytes: no copy
+        return triton_interpolated_attention(
+            q, k, v, posteriors(q_state), posteriors(k_state), key_padding_mask, None if causal else attn_mask,
+            causal, gamma, dropout_p,
+        )
+
     def uses_fused_kernel(self, q: Tensor) -> bool:
         """Whether ``attend`` takes ``interpolated_masked_attention`` or two SDPA calls.
 
@@ -366,6 +445,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         differentiate no bias) and also without autograd (measured at beam-search shapes, one
         query against 30 keys: 2.1 ms against 4.5 ms for the pair).
         """
+        if self._triton_forward:
+            return False  # the Triton kernels read the posteriors themselves
         if self.attention_impl == "auto":
             return path_device(q) != "cuda"
         return self.attention_impl == "fused"
@@ -425,5 +506,5 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, clusters={self.num_clusters}, "
             f"alpha={self.alpha}, anneal_rate={self.anneal_rate}, mask_at_inference={self.mask_at_inference}, "
             f"sample_inputs={self.sample_inputs}, query_gmm_input={self.query_gmm_input}, "
-            f"qq_form={self.qq_form}, div_form={self.div_form}"
+            f"qq_form={self.qq_form}, div_form={self.div_form}, backend={self.backend}"
         )

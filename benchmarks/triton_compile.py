@@ -29,15 +29,24 @@ from typing import Dict, Iterator, List, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-#: (name, dtypes of its pointer arguments by role): "x" is the inputs' dtype, "a" the accumulation's
-_POINTERS = {
-    "_forward_kernel": dict(Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", OUT="x", DIFF="a", LSE="a"),
-    "_backward_query_kernel": dict(Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", OUT="x", DIFF="a",
-                                   LSE="a", DO="x", DQ="x", DPQ="a", R="a"),
-    "_backward_key_kernel": dict(Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", LSE="a", DO="x", R="a",
-                                 DK="x", DV="x", DPK="a"),
+#: each kernel: its module, its function, and the dtypes of its pointer arguments by role ("x":
+#: the inputs' dtype, "a": the accumulation's, fp32)
+_KERNELS = {
+    "attention_forward": ("interpolated_attention_triton", "_forward_kernel", dict(
+        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", OUT="x", DIFF="a", LSE="a")),
+    "attention_backward_queries": ("interpolated_attention_triton", "_backward_query_kernel", dict(
+        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", OUT="x", DIFF="a", LSE="a", DO="x", DQ="x",
+        DPQ="a", R="a")),
+    "attention_backward_keys": ("interpolated_attention_triton", "_backward_key_kernel", dict(
+        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", LSE="a", DO="x", R="a", DK="x", DV="x", DPK="a")),
+    # the GMMs run in fp32 whatever the model's dtype: their points are "a"
+    "gmm_forward": ("mixture_triton", "_forward_kernel", dict(
+        X="a", Z="a", IV="a", SM="a", LN="a", OFF="a", J="a", LP="a", P="a", KL="a", TERMS="a")),
+    "gmm_backward": ("mixture_triton", "_backward_kernel", dict(
+        X="a", Z="a", IV="a", SM="a", P="a", TERMS="a", GJ="a", GLP="a", GP="a", GKL="a", OUT_A="a", OUT_B="a",
+        WEIGHT="a", KL_WEIGHT="a", FIRST="a", SECOND="a")),
 }
-_FLOAT_SCALARS = ("gamma", "scale", "dropout_p", "keep_scale")
+_FLOAT_SCALARS = ("gamma", "scale", "dropout_p", "keep_scale", "kl_const", "kl_shift")
 _TYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 
 
@@ -67,16 +76,22 @@ class Report(NamedTuple):
 
 def variants(archs: List[int], dtypes: List[str], head_dims: List[int], clusters: List[int],
              all_flags: bool) -> Iterator[Variant]:
-    """Every kernel at every asked configuration. Flags: all combinations, or (default) the
-    heaviest one (padding, causal, dropout: the decoder's self-attention in training) and the
-    generic 2-D mask."""
+    """Every kernel at every asked configuration. The attention's flags: all combinations, or
+    (default) the heaviest one (padding, causal, dropout: the decoder's self-attention in
+    training) and the generic 2-D mask. The GMM kernels run in fp32 only, with every gradient
+    and output their backward can take (the flags do not apply: they are reported as False)."""
     flag_sets = (list(itertools.product((False, True), repeat=4)) if all_flags
                  else [(True, False, True, True), (True, True, False, True)])
     for kernel, arch, dtype, head_dim, count, flags in itertools.product(
-            _POINTERS, archs, dtypes, head_dims, clusters, flag_sets):
+            _KERNELS, archs, dtypes, head_dims, clusters, flag_sets):
         has_pad, has_mask, causal, dropout = flags
         if has_mask and causal:
             continue  # the path passes one or the other
+        if kernel.startswith("gmm"):
+            if dtype != dtypes[0] or flags != flag_sets[0]:
+                continue
+            yield Variant(kernel, arch, "float32", head_dim, count, False, False, False, False)
+            continue
         yield Variant(kernel, arch, dtype, head_dim, count, has_pad, has_mask, causal, dropout)
 
 
@@ -89,29 +104,42 @@ def compile_variant(variant: Variant, override=None) -> Report:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fairseq_modattn.modules import interpolated_attention_triton as kernels
+    from fairseq_modattn.modules import interpolated_attention_triton as attention
+    from fairseq_modattn.modules import mixture_triton
 
-    fn = getattr(kernels, variant.kernel)
+    module_name, function, pointers = _KERNELS[variant.kernel]
+    fn = getattr({"interpolated_attention_triton": attention, "mixture_triton": mixture_triton}[module_name], function)
     dtype = getattr(torch, variant.dtype)
     names = {"x": _TYPE_NAMES[variant.dtype], "a": "fp32", "u8": "u8"}
-    backward = variant.kernel != "_forward_kernel"
-    config = (kernels.BACKWARD_CONFIGS if backward else kernels.FORWARD_CONFIGS)[kernels.head_block(variant.head_dim)]
-    if override is not None:
-        config = override
-    constants = dict(
-        HEAD_DIM=variant.head_dim, BLOCK_D=kernels.head_block(variant.head_dim), CLUSTERS=variant.clusters,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_PAD=variant.has_pad, HAS_MASK=variant.has_mask,
-        IS_CAUSAL=variant.causal, DROPOUT=variant.dropout, ACC=tl.float32, TINY=torch.finfo(torch.float32).tiny,
-        UPCAST=False, PRECISION="tf32" if dtype == torch.float32 else "ieee",
-    )
-    if backward:
-        constants["BLOCK_C"] = max(2, triton.next_power_of_2(variant.clusters))
+    block_c = max(2, triton.next_power_of_2(variant.clusters))
+    if variant.kernel.startswith("gmm"):
+        points, warps = mixture_triton.block_shape(variant.head_dim)
+        config = override if override is not None else attention.BlockConfig(points, 0, warps, 2)
+        constants = dict(DIM=variant.head_dim, BLOCK_D=max(16, triton.next_power_of_2(variant.head_dim)),
+                         CLUSTERS=variant.clusters, BLOCK_C=block_c, BLOCK_P=config.block_m, ACC=tl.float32)
+        if variant.kernel == "gmm_forward":
+            constants["NEED_KL"] = True
+        else:
+            constants.update(WITH_KL=True, HAS_GJ=True, HAS_GLP=True, HAS_GP=True, HAS_A=True, A_WITH_MEAN=True,
+                             HAS_B=False, NEED_FIRST=True, NEED_SECOND=True)
+    else:
+        backward = variant.kernel != "attention_forward"
+        tiles = attention.BACKWARD_CONFIGS if backward else attention.FORWARD_CONFIGS
+        config = override if override is not None else tiles[attention.head_block(variant.head_dim)]
+        constants = dict(
+            HEAD_DIM=variant.head_dim, BLOCK_D=attention.head_block(variant.head_dim), CLUSTERS=variant.clusters,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_PAD=variant.has_pad, HAS_MASK=variant.has_mask,
+            IS_CAUSAL=variant.causal, DROPOUT=variant.dropout, ACC=tl.float32,
+            TINY=torch.finfo(torch.float32).tiny, UPCAST=False, PRECISION="tf32" if dtype == torch.float32 else "ieee",
+        )
+        if backward:
+            constants["BLOCK_C"] = block_c
     signature: Dict[str, str] = {}
     for name in fn.arg_names:
         if name in constants:
             signature[name] = "constexpr"
-        elif name in _POINTERS[variant.kernel]:
-            signature[name] = "*" + names[_POINTERS[variant.kernel][name]]
+        elif name in pointers:
+            signature[name] = "*" + names[pointers[name]]
         else:
             signature[name] = "fp32" if name in _FLOAT_SCALARS else "i32"
     start = time.perf_counter()

@@ -28,10 +28,11 @@ OUTPUTS = {"all": (0, 1, 2, 3), "kl": (3,), "posterior": (2,), "joint": (0,), "l
 
 
 def run_gmm(dtype, native, case="shared point", need_kl=True, outputs=OUTPUTS["all"], groups=3, scale=0.5,
-            frozen=False, tokens=40, batch=3, dim=16, clusters=5):
+            frozen=False, tokens=40, batch=3, dim=16, clusters=5, triton=False):
     """Outputs and gradients of one ``DiagonalGMM`` call on a head-split view of a token-major
     activation (``groups`` heads; one group: the heads flattened into the points), with the
-    kernels on or off. Values are drawn in fp32 and cast, so that every dtype sees the same."""
+    kernels on or off (``triton``: the Triton kernels, tests/test_mixture_triton.py). Values
+    are drawn in fp32 and cast, so that every dtype sees the same."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native_mixture, "_library", LIBRARY if native else None)
         patch.setattr(native_mixture, "_looked_for", True)
@@ -52,7 +53,8 @@ def run_gmm(dtype, native, case="shared point", need_kl=True, outputs=OUTPUTS["a
         def split(t):  # (B, H, T, d); one group flattens the heads into its points
             return t.view(tokens, batch, heads, dim).permute(1, 2, 0, 3)
 
-        kwargs = {"need_kl": need_kl, "sample": case != "no sample", "noise_var": 0.3, "scale": scale}
+        kwargs = {"need_kl": need_kl, "sample": case != "no sample", "noise_var": 0.3, "scale": scale,
+                  "triton": triton}
         sampled = None
         if case == "own draw":
             torch.manual_seed(5)

@@ -337,13 +337,16 @@ def triton_step_and_events(kernel_calls, m, kind, backend, device):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_each_step_launches_one_forward_and_two_backward_kernels(kind, kernel_calls, torch_device):
+def test_each_step_launches_the_attentions_three_kernels_and_two_per_gmm(kind, kernel_calls, torch_device):
     m = build(kind, "authors", device=torch_device, dropout=0.1)
     counts = triton_step_and_events(kernel_calls, m, kind, "triton", torch_device)
     events = {name: n for name, n in counts.items() if name.startswith(KERNEL_EVENT_PREFIX)}
+    # the attention, and the token and query GMMs' passes (mixture_triton; encoder-decoder
+    # attention clusters both sides' inputs in one token-GMM call)
     assert events == {KERNEL_EVENT_PREFIX + "interpolated_attention_forward": 1,
                       KERNEL_EVENT_PREFIX + "interpolated_attention_backward_queries": 1,
-                      KERNEL_EVENT_PREFIX + "interpolated_attention_backward_keys": 1}, counts
+                      KERNEL_EVENT_PREFIX + "interpolated_attention_backward_keys": 1,
+                      KERNEL_EVENT_PREFIX + "gmm_forward": 2, KERNEL_EVENT_PREFIX + "gmm_backward": 2}, counts
     # none of the eager attention's operators: no dropout draw, no T x S product, no (B, 1, T, S)
     # mask assembled from the padding (the regularisers have softmaxes of their own)
     eager_only = ("aten::rand", "aten::bmm", "aten::masked_fill",
@@ -409,9 +412,16 @@ def test_evaluation_and_incremental_decoding_take_the_eager_path(kernel_runs, to
     assert len(kernel_runs) == 1  # training only, and every training forward
 
 
-def test_a_cpu_without_the_interpreter_is_refused_in_one_line(monkeypatch):
+def test_a_cpu_without_the_interpreter_trains_not_but_evaluates(monkeypatch):
+    # a model trained with the kernels on a GPU is evaluated and decodes anywhere, eagerly
     m = build("enc_self", "paper")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, _, kpm, _, _ = inputs("enc_self", True)
+    m.backend = "triton"
+    m.eval()
+    with torch.no_grad():
+        out, _ = m(x, x, x, key_padding_mask=kpm, need_weights=False)
+    assert torch.isfinite(out).all()
     with pytest.raises(RuntimeError, match=r"--dma-backend triton runs on CUDA devices; this model is on cpu"):
         step(m, False, "enc_self", *inputs("enc_self", True), backend="triton")
 

@@ -85,7 +85,7 @@ from .mi_bounds import (
 from .noise import ReplayableNoise, standard_normal, standard_normal_like
 from .parameter_names import parameter_names
 from .precision import at_least_fp32
-from .triton_support import TRITON_VERSION, kernel_device_error, triton_available
+from .triton_support import kernel_device_error
 
 AUX_LOSS_NAMES = ("kl", "dqq", "dxq", "div")
 #: "fused": ``interpolated_masked_attention``; "sdpa": two scaled_dot_product_attention calls;
@@ -97,18 +97,19 @@ SAMPLE_INPUTS = ("gmm", "attention")
 QUERY_GMM_INPUTS = ("raw", "scaled")
 #: how a training forward is computed (``--dma-backend``): "eager" (PyTorch operators and this
 #: package's autograd functions), "compile" (``dma_compiled``: one torch.compile'd graph),
-#: "triton" (the interpolated attention as Triton kernels, ``interpolated_attention_triton``;
-#: CUDA), "auto" (the default: eager, until a GPU's measurements choose otherwise).
+#: "triton" (the interpolated attention and the GMMs' passes as Triton kernels,
+#: ``interpolated_attention_triton`` and ``mixture_triton``; CUDA), "auto" (the default: eager,
+#: until a GPU's measurements choose otherwise).
 #: Evaluation, validation and generation run eagerly with every backend.
 BACKENDS = ("auto", "eager", "compile", "triton")
 
 
 def check_backend(backend: str, flag: str = "backend"):
-    """ValueError for a backend outside ``BACKENDS``, or "triton" without the triton package."""
+    """ValueError for a backend outside ``BACKENDS``. Whether "triton" can run (the package, a
+    CUDA device) is asked at the first training forward (``kernel_device_error``): a model
+    trained with it evaluates and decodes anywhere, eagerly."""
     if backend not in BACKENDS:
         raise ValueError(f"{flag} must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton" and not triton_available():
-        raise ValueError(f"{flag} triton needs the triton package (pip install triton=={TRITON_VERSION})")
 
 
 def posteriors(state: Dict[str, Tensor]) -> Tensor:
@@ -358,6 +359,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
             # the sample the projections read is the GMM's point too: kept once for both
             point=heads(state["input"]) if noise is not None else None,
             noise_replay=None if noise_replay is None else (lambda: heads(noise_replay())),
+            triton=self._triton_forward,
         )
         # What ``attend`` reads: log P on the fused path, P on the SDPA path and in the
         # regularisers. Each entry left out is a copy saved where the beams of a decoding step are
@@ -473,7 +475,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
 
         queries = self.query_gmm(
             q, self.noise_var, sample=sampled_q is not None, need_kl=True, point=sampled_q,
-            scale=self.query_gmm_scale, noise_replay=noise_replay,
+            scale=self.query_gmm_scale, noise_replay=noise_replay, triton=self._triton_forward,
         )
         query_post = queries.post
         token_post = posteriors(q_state)

@@ -124,11 +124,13 @@ def mixture_statistics(
     inv_var: Tensor,
     scaled_means: Tensor,
     log_norm: Tensor,
+    triton: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """J, LP, P, KL and T + d log(2 pi) / 2 of ``_MixtureStatistics`` (whose docstring gives the
-    equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own. fp32 on
-    the CPU takes the C kernels (``native_mixture``); otherwise matmuls, whose passes over the
-    points run block by block on the CPU (``blocking.point_blocks``)."""
+    equations) for (G, M, d) points, from ``mixture_constants``; no autograd of its own. With
+    ``triton`` (``--dma-backend triton``) the Triton kernel (``mixture_triton``); fp32 on the CPU
+    takes the C kernels (``native_mixture``); otherwise matmuls, whose passes over the points run
+    block by block on the CPU (``blocking.point_blocks``)."""
     groups, num_points, dim = point.shape
     offset = None
     if need_kl:
@@ -137,6 +139,8 @@ def mixture_statistics(
         trace = inv_var.sum(-1).unsqueeze(-2)
         offset = torch.add(log_norm, trace, alpha=-0.5 * noise_var)
     kl_const = 0.5 * dim * (LOG_2PI + 1.0 + math.log(noise_var)) if need_kl else 0.0
+    if triton and _triton_kernels().available(point, inv_var.size(1)) and x.stride(-1) == 1:
+        return _triton_kernels().forward(x, point, scale, kl_const, need_kl, inv_var, scaled_means, log_norm, offset)
     if native_mixture.available(point, inv_var.size(1)) and x.stride(-1) == 1:
         return native_mixture.forward(x, point, scale, kl_const, need_kl, inv_var, scaled_means, log_norm, offset)
     # each block's (G, m, C) results are new tensors, joined after the loop: written into a slice
@@ -159,6 +163,13 @@ def mixture_statistics(
         terms.add_(log_post)
         kl = (post * terms).sum(-1).sub_(kl_const)
     return log_joint, log_post, post, kl, terms
+
+
+def _triton_kernels():
+    """``mixture_triton``, imported on first use: triton is needed only by ``--dma-backend triton``."""
+    from . import mixture_triton
+
+    return mixture_triton
 
 
 def _joined(blocks: List[Tensor]) -> Tensor:
@@ -210,14 +221,15 @@ class _MixtureStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult, mean_of):
+    def forward(ctx, x, point, logits, means, log_vars, scale, noise_var, need_kl, grad_mult, mean_of, triton=False):
         # unused outputs give None gradients instead of zero tensors (each one a launch)
         ctx.set_materialize_grads(False)
         inv_var, scaled_means, log_norm = mixture_constants(logits, means, log_vars)
         log_joint, log_post, post, kl, terms = mixture_statistics(
-            x, point, scale, noise_var, need_kl, inv_var, scaled_means, log_norm
+            x, point, scale, noise_var, need_kl, inv_var, scaled_means, log_norm, triton
         )
         ctx.scale, ctx.noise_var, ctx.grad_mult, ctx.device_type = scale, noise_var, grad_mult, x.device.type
+        ctx.triton = triton
         # ``mean_of(point)`` rebuilds x in backward (from the replayed noise), so x is not kept
         ctx.mean_of = mean_of
         kept_mean = x if need_kl and mean_of is None else None
@@ -236,8 +248,14 @@ class _MixtureStatistics(torch.autograd.Function):
         if terms is not None and x is None:
             x = ctx.mean_of(point)
         needs = ctx.needs_input_grad
-        if native_mixture.available(point, post.size(-1)) and (x is None or x.stride(-1) == 1):
-            grad_x, grad_point, weight, kl_weight, first, second = native_mixture.backward(
+        kernels = None
+        if x is None or x.stride(-1) == 1:
+            if ctx.triton and _triton_kernels().available(point, post.size(-1)):
+                kernels = _triton_kernels()
+            elif native_mixture.available(point, post.size(-1)):
+                kernels = native_mixture
+        if kernels is not None:
+            grad_x, grad_point, weight, kl_weight, first, second = kernels.backward(
                 x, point, ctx.scale, 1.0 - 0.5 * point.size(-1) * LOG_2PI, inv_var, scaled_means, post, terms,
                 grad_joint, grad_log_post, grad_post, grad_kl, needs[0], needs[1], needs[3] or needs[4], needs[4])
         else:
@@ -260,7 +278,7 @@ class _MixtureStatistics(torch.autograd.Function):
                     second.add_(kl_weight.unsqueeze(-1), alpha=ctx.noise_var)
                 second.addcmul_(means, first, value=-2.0).addcmul_(means * means, weight3)
                 grad_log_vars = torch.addcmul(0.5 * weight3, second, inv_var, value=-0.5)
-        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None
+        return grad_x, grad_point, grad_logits, grad_means, grad_log_vars, None, None, None, None, None, None
 
 
 def _point_gradients_and_sums(a, x, point, inv_var, scaled_means, post, terms, grad_joint, grad_log_post, grad_post,
@@ -429,6 +447,7 @@ class DiagonalGMM(nn.Module):
         point: Optional[Tensor] = None,
         scale: float = 1.0,
         noise_replay: Optional[Callable[[], Tensor]] = None,
+        triton: bool = False,
     ) -> GMMStatistics:
         """Cluster the points ``scale * x``, x of shape (..., G, N, d).
 
@@ -441,7 +460,8 @@ class DiagonalGMM(nn.Module):
         here. With ``point``, ``noise_replay`` (optional) returns eps again in backward, which
         then rebuilds the mean x = z~ - (s / scale) eps instead of keeping it. A ``point`` must
         be that sample of x, with eps constant: the GMM's gradient for z~ is returned through x
-        (d z~ / d x = I), so z~ itself receives none from here.
+        (d z~ / d x = I), so z~ itself receives none from here. ``triton``: the passes over the
+        points as Triton kernels (``mixture_triton``; ``--dma-backend triton``).
         """
         for name, t in (("noise", noise), ("point", point)):
             if t is not None and t.shape != x.shape:
@@ -470,11 +490,12 @@ class DiagonalGMM(nn.Module):
                 if noise_replay is not None and point is not None and sampled is not points:
                     mean_of = _mean_rebuilder(noise_replay, math.sqrt(noise_var) / scale, restore, self.num_groups)
                 log_joint, log_post, post, kl = _MixtureStatistics.apply(
-                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult, mean_of
+                    points, sampled, *params, scale, noise_var, need_kl, self.centroid_grad_mult, mean_of, triton
                 )
             else:
+                inv_var, scaled_means, log_norm = self._frozen_constants(params)
                 log_joint, log_post, post, kl, _ = mixture_statistics(
-                    points, sampled, scale, noise_var, need_kl, *self._frozen_constants(params)
+                    points, sampled, scale, noise_var, need_kl, inv_var, scaled_means, log_norm, triton
                 )
             if kl is not None:
                 kl = restore(kl.unsqueeze(-1)).squeeze(-1)

@@ -45,6 +45,9 @@ _KERNELS = {
     "gmm_backward": ("mixture_triton", "_backward_kernel", dict(
         X="a", Z="a", IV="a", SM="a", P="a", TERMS="a", GJ="a", GLP="a", GP="a", GKL="a", OUT_A="a", OUT_B="a",
         WEIGHT="a", KL_WEIGHT="a", FIRST="a", SECOND="a")),
+    # L_Dxq's critic over the query posteriors (fp32 like the GMMs)
+    "infonce_forward": ("infonce_triton", "_scores_kernel", dict(Q="a", VALID="u8", SCORES="a", LSE="a")),
+    "infonce_backward": ("infonce_triton", "_gradient_kernel", dict(Q="a", VALID="u8", LSE="a", G="a", DQ="a")),
 }
 _FLOAT_SCALARS = ("gamma", "scale", "dropout_p", "keep_scale", "kl_const", "kl_shift")
 _TYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
@@ -78,8 +81,9 @@ def variants(archs: List[int], dtypes: List[str], head_dims: List[int], clusters
              all_flags: bool) -> Iterator[Variant]:
     """Every kernel at every asked configuration. The attention's flags: all combinations, or
     (default) the heaviest one (padding, causal, dropout: the decoder's self-attention in
-    training) and the generic 2-D mask. The GMM kernels run in fp32 only, with every gradient
-    and output their backward can take (the flags do not apply: they are reported as False)."""
+    training) and the generic 2-D mask. The GMM and InfoNCE kernels run in fp32 only, the GMM's
+    with every gradient and output their backward can take (the flags do not apply: they are
+    reported as False)."""
     flag_sets = (list(itertools.product((False, True), repeat=4)) if all_flags
                  else [(True, False, True, True), (True, True, False, True)])
     for kernel, arch, dtype, head_dim, count, flags in itertools.product(
@@ -87,7 +91,7 @@ def variants(archs: List[int], dtypes: List[str], head_dims: List[int], clusters
         has_pad, has_mask, causal, dropout = flags
         if has_mask and causal:
             continue  # the path passes one or the other
-        if kernel.startswith("gmm"):
+        if kernel.startswith(("gmm", "infonce")):
             if dtype != dtypes[0] or flags != flag_sets[0]:
                 continue
             yield Variant(kernel, arch, "float32", head_dim, count, False, False, False, False)
@@ -104,15 +108,24 @@ def compile_variant(variant: Variant, override=None) -> Report:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from fairseq_modattn.modules import infonce_triton, mixture_triton
     from fairseq_modattn.modules import interpolated_attention_triton as attention
-    from fairseq_modattn.modules import mixture_triton
 
     module_name, function, pointers = _KERNELS[variant.kernel]
-    fn = getattr({"interpolated_attention_triton": attention, "mixture_triton": mixture_triton}[module_name], function)
+    modules = {"interpolated_attention_triton": attention, "mixture_triton": mixture_triton,
+               "infonce_triton": infonce_triton}
+    fn = getattr(modules[module_name], function)
     dtype = getattr(torch, variant.dtype)
     names = {"x": _TYPE_NAMES[variant.dtype], "a": "fp32", "u8": "u8"}
     block_c = max(2, triton.next_power_of_2(variant.clusters))
-    if variant.kernel.startswith("gmm"):
+    if variant.kernel.startswith("infonce"):
+        config = override if override is not None else attention.BlockConfig(infonce_triton.BLOCK,
+                                                                             infonce_triton.BLOCK, 4, 2)
+        constants = dict(CLUSTERS=variant.clusters, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                         HAS_VALID=True, PADDED=-1e4, ACC=tl.float32)
+        if variant.kernel == "infonce_backward":
+            constants["BLOCK_C"] = block_c
+    elif variant.kernel.startswith("gmm"):
         points, warps = mixture_triton.block_shape(variant.head_dim)
         config = override if override is not None else attention.BlockConfig(points, 0, warps, 2)
         constants = dict(DIM=variant.head_dim, BLOCK_D=max(16, triton.next_power_of_2(variant.head_dim)),

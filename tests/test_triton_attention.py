@@ -337,16 +337,17 @@ def triton_step_and_events(kernel_calls, m, kind, backend, device):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_each_step_launches_the_attentions_three_kernels_and_two_per_gmm(kind, kernel_calls, torch_device):
+def test_each_step_launches_the_kernels_once_each(kind, kernel_calls, torch_device):
     m = build(kind, "authors", device=torch_device, dropout=0.1)
     counts = triton_step_and_events(kernel_calls, m, kind, "triton", torch_device)
     events = {name: n for name, n in counts.items() if name.startswith(KERNEL_EVENT_PREFIX)}
-    # the attention, and the token and query GMMs' passes (mixture_triton; encoder-decoder
-    # attention clusters both sides' inputs in one token-GMM call)
+    # the attention, the token and query GMMs' passes (mixture_triton; encoder-decoder attention
+    # clusters both sides' inputs in one token-GMM call) and L_Dxq's critic (infonce_triton)
     assert events == {KERNEL_EVENT_PREFIX + "interpolated_attention_forward": 1,
                       KERNEL_EVENT_PREFIX + "interpolated_attention_backward_queries": 1,
                       KERNEL_EVENT_PREFIX + "interpolated_attention_backward_keys": 1,
-                      KERNEL_EVENT_PREFIX + "gmm_forward": 2, KERNEL_EVENT_PREFIX + "gmm_backward": 2}, counts
+                      KERNEL_EVENT_PREFIX + "gmm_forward": 2, KERNEL_EVENT_PREFIX + "gmm_backward": 2,
+                      KERNEL_EVENT_PREFIX + "infonce_forward": 1, KERNEL_EVENT_PREFIX + "infonce_backward": 1}, counts
     # none of the eager attention's operators: no dropout draw, no T x S product, no (B, 1, T, S)
     # mask assembled from the padding (the regularisers have softmaxes of their own)
     eager_only = ("aten::rand", "aten::bmm", "aten::masked_fill",

@@ -2,8 +2,8 @@
 without one (``benchmarks/triton_compile.py``: Triton's compiler with an explicit sm_80 / sm_90
 target, and the ptxas inside the triton wheel for registers and spills).
 
-The default suite compiles the attention's three kernels and the GMM's two at the bench's shapes
-(the iwslt architecture's heads of 128 units and 8 clusters), in fp32, for both architectures,
+The default suite compiles the attention's three kernels, the GMM's two and L_Dxq's two at the
+bench's shapes (the iwslt architecture's heads of 128 units and 8 clusters), in fp32, for both architectures,
 the attention with the two flag sets the path uses (padding, causal mask and dropout: the
 decoder's self-attention in training; padding, a generic 2-D mask and dropout), and fails on a
 compile error or a spill. ``-m slow`` compiles
@@ -44,9 +44,9 @@ def test_every_kernel_compiles_without_spills_at_the_bench_shapes(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     kernels = {r["variant"]["kernel"] for r in reports}
     assert kernels == {"attention_forward", "attention_backward_queries", "attention_backward_keys", "gmm_forward",
-                       "gmm_backward"}
+                       "gmm_backward", "infonce_forward", "infonce_backward"}
     assert {r["variant"]["arch"] for r in reports} == {80, 90}
-    assert len(reports) == (3 * 2 + 2) * 2  # the attention's kernels with two flag sets, the GMM's with one
+    assert len(reports) == (3 * 2 + 4) * 2  # the attention's kernels with two flag sets, the others with one
     problems = [f"{r['variant']}: {r['error'] or str(r['spill_bytes']) + ' bytes spilled'}" for r in reports
                 if r["error"] or r["spill_bytes"]]
     assert not problems, "\n".join(problems)
@@ -60,5 +60,5 @@ def test_every_configuration_the_path_can_choose_compiles(tmp_path):
                                       "--head-dim", "16", "32", "64", "128", "--clusters", "1", "8", "16",
                                       timeout=5400)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr
-    assert len(reports) == (3 * 3 * 2 + 2) * 2 * 4 * 3
+    assert len(reports) == (3 * 3 * 2 + 4) * 2 * 4 * 3
     assert not [r for r in reports if r["error"]]

@@ -499,7 +499,7 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
         return {
             "kl": kl + masked_token_mean(queries.kl, query_valid, per_sentence),
             "dqq": dqq,
-            "dxq": infonce_bound(query_post, query_valid, per_sentence),
+            "dxq": infonce_bound(query_post, query_valid, per_sentence, self._triton_forward),
             "div": div + diversity_penalty(query_post, query_valid, self.div_form, per_sentence),
         }
 

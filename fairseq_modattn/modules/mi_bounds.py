@@ -355,22 +355,31 @@ class _InfoNCEBound(torch.autograd.Function):
     softmax W are rebuilt there, one block of sentences at a time on the CPU (``blocking.py``):
 
         dL/dQ_i = (1/H) [ 2 g_i Q_i - sum_j (g_i W_ij + g_j W_ji) Q_j ],    g = w * dL.
+
+    With ``triton`` the scores and dL/dQ come from ``infonce_triton``'s kernels (one pass over
+    the keys each, no N x N table), which keep the log-sum-exps for backward.
     """
 
     @staticmethod
-    def forward(ctx, post, valid, per_sentence):
+    def forward(ctx, post, valid, per_sentence, triton=False):
         bsz, heads, length, _ = post.shape
         blocks = blocking.sentence_blocks(bsz, heads * length**2, path_device(post))
-        if valid is None:
-            post, key_critic = post.contiguous(), None
+        ctx.kernels = _infonce_kernels() if triton and _infonce_kernels().available(post) else None
+        key_critic = lse = None
+        if ctx.kernels is not None:
+            per_head, lse = ctx.kernels.scores(post, valid)
+            scores = per_head.mean(1)  # (1/H) sum_h s_hi
         else:
-            # padded tokens are zeroed, so whatever they hold (even inf) reaches no sum
-            post = torch.where(valid.view(bsz, 1, length, 1), post, 0.0)
-            key_critic = torch.where(valid, 0.0, _PADDED_KEY_CRITIC).view(bsz, 1, 1, length)
-        scores = post.new_empty(bsz, length)  # (1/H) sum_h s_hi
-        for block in blocks:
-            critic = _critic(post[block], key_critic, block)
-            torch.mean(torch.log_softmax(critic, -1).diagonal(dim1=-2, dim2=-1), 1, out=scores[block])
+            if valid is None:
+                post = post.contiguous()
+            else:
+                # padded tokens are zeroed, so whatever they hold (even inf) reaches no sum
+                post = torch.where(valid.view(bsz, 1, length, 1), post, 0.0)
+                key_critic = torch.where(valid, 0.0, _PADDED_KEY_CRITIC).view(bsz, 1, 1, length)
+            scores = post.new_empty(bsz, length)  # (1/H) sum_h s_hi
+            for block in blocks:
+                critic = _critic(post[block], key_critic, block)
+                torch.mean(torch.log_softmax(critic, -1).diagonal(dim1=-2, dim2=-1), 1, out=scores[block])
         weights = None
         if valid is None:
             out = scores.mean(-1) if per_sentence else scores.mean()
@@ -390,12 +399,21 @@ class _InfoNCEBound(torch.autograd.Function):
         ctx.blocks, ctx.per_sentence = blocks, per_sentence
         # dL/ds_hi = g_i / H, and without padding g_i is dL times the token mean's 1/N
         ctx.scale = 1.0 / heads if valid is not None else 1.0 / (heads * max(length, 1) * (1 if per_sentence else bsz))
-        ctx.save_for_backward(post, key_critic, weights)
+        if ctx.kernels is not None:
+            ctx.save_for_backward(post, valid, weights, lse)
+        else:
+            ctx.save_for_backward(post, key_critic, weights)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         with torch.autocast(device_type=grad.device.type, enabled=False):
+            if ctx.kernels is not None:
+                post, valid, weights, lse = ctx.saved_tensors
+                grad = grad.view(post.size(0), 1) if ctx.per_sentence else grad
+                if weights is not None:
+                    grad = grad * weights
+                return ctx.kernels.gradient(post, valid, lse, grad.to(post.dtype), ctx.scale), None, None, None
             post, key_critic, weights = ctx.saved_tensors
             bsz, _, length, clusters = post.shape
             if ctx.per_sentence:
@@ -413,7 +431,7 @@ class _InfoNCEBound(torch.autograd.Function):
                     beta=-scale, alpha=-scale,
                 )
                 torch.addcmul(total.view(part.shape), part, g, value=2.0 * scale, out=grad_post[block])
-            return grad_post, None, None
+            return grad_post, None, None, None
 
 
 def _critic(post: Tensor, key_critic: Optional[Tensor], block: slice) -> Tensor:
@@ -421,10 +439,18 @@ def _critic(post: Tensor, key_critic: Optional[Tensor], block: slice) -> Tensor:
     return critic if key_critic is None else critic.add_(key_critic[block])
 
 
+def _infonce_kernels():
+    """``infonce_triton``, imported on first use: triton is needed only by ``--dma-backend triton``."""
+    from . import infonce_triton
+
+    return infonce_triton
+
+
 @in_fp32
-def infonce_bound(post: Tensor, valid: Optional[Tensor], per_sentence: bool = False) -> Tensor:
-    """L_Dxq: InfoNCE with critic f_ij = <Q_i, Q_j>, over the real tokens of each sentence."""
-    return _InfoNCEBound.apply(post, valid, per_sentence)
+def infonce_bound(post: Tensor, valid: Optional[Tensor], per_sentence: bool = False, triton: bool = False) -> Tensor:
+    """L_Dxq: InfoNCE with critic f_ij = <Q_i, Q_j>, over the real tokens of each sentence;
+    ``triton``: by ``infonce_triton``'s kernels (``--dma-backend triton``)."""
+    return _InfoNCEBound.apply(post, valid, per_sentence, triton)
 
 
 #: L_dv of one sentence and head, with G = C^T C (n_c x n_c) and r_i = ||C_i||^2 (module doc), is

@@ -11,8 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tiers
+
+# Triton's interpreter runs the Triton kernels' tests on CPU tensors where torch sees no CUDA
+# device (tests/test_triton_attention.py). Triton reads TRITON_INTERPRET when each @triton.jit
+# function is defined, its own helpers included (tl.random.philox), and importing torch's
+# inductor imports triton: so it is set here, before any test module is imported, for every
+# worker of the run, or kernels and helpers would be defined in different modes.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "fairseq_modattn"

@@ -8,14 +8,10 @@ gradcheck in fp64; and fp32 against fp64 within 1e-5 of the gradients' scale.
 """
 
 import math
-import os
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
 
 if sys.platform != "linux":
     pytest.importorskip("triton", reason="triton ships wheels for Linux only")

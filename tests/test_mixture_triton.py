@@ -11,14 +11,10 @@ needs a gradient and each subset of outputs that reaches the loss. gradcheck in 
 the hand-written backward through ``DiagonalGMM``.
 """
 
-import os
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
 
 if sys.platform != "linux":
     pytest.importorskip("triton", reason="triton ships wheels for Linux only")

@@ -1,8 +1,9 @@
 """DMA's interpolated attention as Triton kernels (``--dma-backend triton``,
 modules/interpolated_attention_triton.py), proven without a GPU.
 
-On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set
-here before they are imported), which executes the kernel code itself on CPU tensors; with
+On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before anything imports triton), which executes the kernel code itself on CPU
+tensors; with
 ``--torch-device cuda`` on a GPU machine the same tests run the compiled kernels.
 
 * The kernels against the equations written out naively here (fp64: forward and all five
@@ -23,15 +24,11 @@ fp32 module comparisons as tests/test_dma_compiled.py's ``assert_matches`` (1e-5
 largest value, with its floors for differences of large terms).
 """
 
-import os
 import sys
 
 import pytest
 import torch
 from torch.autograd.gradcheck import GradcheckError
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
 
 if sys.platform != "linux":
     pytest.importorskip("triton", reason="triton ships wheels for Linux only")

@@ -26,26 +26,15 @@ import triton.language as tl
 from torch import Tensor
 from torch.profiler import record_function
 
+from .interpolated_attention_triton import TL_DTYPES, _semantic_mask
+from .triton_support import KERNEL_EVENT_PREFIX
+
 BLOCK = 32
-KERNEL_EVENT_PREFIX = "fairseq_modattn::triton_"
-_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def available(post: Tensor) -> bool:
     """Whether the kernels take these (B, H, N, C) posteriors: fp32 or fp64, C <= 16."""
-    return post.dtype in _TL_DTYPES and post.size(-1) <= 16
-
-
-@triton.jit
-def _inner(q_rows, k_rows, s_c, row_ok, col_ok, CLUSTERS: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, ACC: tl.constexpr):
-    """<Q_i, Q_j> of one tile, from pointers to each row's first cluster (0 outside the rows)."""
-    inner = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-    for c in tl.static_range(CLUSTERS):
-        q_c = tl.load(q_rows + c * s_c, mask=row_ok, other=0.0).to(ACC)
-        k_c = tl.load(k_rows + c * s_c, mask=col_ok, other=0.0).to(ACC)
-        inner += q_c[:, None] * k_c[None, :]
-    return inner
+    return post.dtype in TL_DTYPES and post.size(-1) <= 16
 
 
 @triton.jit
@@ -81,7 +70,9 @@ def _scores_kernel(Q, VALID, SCORES, LSE, s_qb, s_qh, s_qn, s_qc, s_vb, H, N,
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N
         key_critic, col_real = _key_critic(VALID, b, offs_n, col_ok, s_vb, PADDED, HAS_VALID, ACC)
-        f = _inner(q_rows, base + offs_n * s_qn, s_qc, row_real, col_real, CLUSTERS, BLOCK_M, BLOCK_N, ACC)
+        # <Q_i, Q_j>: the attention's M = P^q (P^k)^T with both sides the query posteriors
+        f = _semantic_mask(q_rows, base + offs_n * s_qn, s_qc, s_qc, row_real, col_real, BLOCK_M, BLOCK_N,
+                           CLUSTERS, ACC)
         f = f + key_critic[None, :]
         new_top = tl.maximum(top, tl.max(f, 1))
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(f - new_top[:, None]), 1)
@@ -114,7 +105,8 @@ def _gradient_kernel(Q, VALID, LSE, G, DQ, s_qb, s_qh, s_qn, s_qc, s_vb, s_gb, s
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N
         key_critic, col_real = _key_critic(VALID, b, offs_n, col_ok, s_vb, PADDED, HAS_VALID, ACC)
-        inner = _inner(q_rows, base + offs_n * s_qn, s_qc, row_real, col_real, CLUSTERS, BLOCK_M, BLOCK_N, ACC)
+        inner = _semantic_mask(q_rows, base + offs_n * s_qn, s_qc, s_qc, row_real, col_real, BLOCK_M, BLOCK_N,
+                               CLUSTERS, ACC)
         lse_cols = tl.load(LSE + bh * N + offs_n, mask=col_ok, other=float("inf"))
         g_cols = tl.load(G + b * s_gb + offs_n * s_gn, mask=col_ok, other=0.0).to(ACC)
         forward = tl.exp(inner + key_critic[None, :] - lse_rows[:, None])  # W_ij
@@ -135,7 +127,7 @@ def _common(post: Tensor, valid: Optional[Tensor]) -> Tuple[Tensor, int, dict]:
     from .mi_bounds import _PADDED_KEY_CRITIC
 
     flags = dict(CLUSTERS=post.size(-1), BLOCK_M=BLOCK, BLOCK_N=BLOCK, HAS_VALID=valid is not None,
-                 PADDED=float(_PADDED_KEY_CRITIC), ACC=_TL_DTYPES[post.dtype])
+                 PADDED=float(_PADDED_KEY_CRITIC), ACC=TL_DTYPES[post.dtype])
     if valid is None:
         return post, 0, flags
     real = valid.view(torch.uint8) if valid.dtype == torch.bool else valid

@@ -56,11 +56,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.profiler import record_function
 
-from .triton_support import dot_precision, interpreting
-
-#: each kernel launch is recorded as one profiler event named with this prefix, as the package's
-#: C kernels are (``benchmarks/kernel_calls.py`` counts them as launches)
-KERNEL_EVENT_PREFIX = "fairseq_modattn::triton_"
+from .triton_support import KERNEL_EVENT_PREFIX, dot_precision, interpreting
 
 
 class BlockConfig(NamedTuple):
@@ -394,7 +390,8 @@ def _backward_key_kernel(
 
 
 # ----------------------------------------------------------------------------- launching
-_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+#: the accumulation dtypes the kernels take, as Triton names them (also the other kernel modules')
+TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 class _Launch(NamedTuple):
@@ -433,7 +430,7 @@ def _prepare(q, k, v, post_q, key_padding_mask, attn_mask, causal, gamma, dropou
     flags = dict(
         HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim), CLUSTERS=post_q.size(-1),
         HAS_PAD=key_padding_mask is not None, HAS_MASK=attn_mask is not None, IS_CAUSAL=causal,
-        DROPOUT=dropout_p > 0.0, ACC=_TL_DTYPES[acc], TINY=torch.finfo(acc).tiny,
+        DROPOUT=dropout_p > 0.0, ACC=TL_DTYPES[acc], TINY=torch.finfo(acc).tiny,
         # the interpreter computes half-precision dots wrongly (Triton 3.7): it gets fp32 operands
         UPCAST=interpreting() and q.dtype not in (torch.float32, torch.float64),
         PRECISION=dot_precision(q.dtype),

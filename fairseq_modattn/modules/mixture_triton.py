@@ -34,6 +34,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.profiler import record_function
 
+from .interpolated_attention_triton import TL_DTYPES
+from .triton_support import KERNEL_EVENT_PREFIX
+
 #: points a program takes (the (BLOCK_P, d) rows of x and z stay in registers) and its warps,
 #: by padded width (``block_shape``): at d = 64 and 128 both kernels compile for sm_80 and sm_90
 #: without register spills at C = 8 (benchmarks/triton_compile.py); 32 points with 4 warps
@@ -51,14 +54,12 @@ def block_shape(dim: int) -> Tuple[int, int]:
     return max(1, points * 128 // width), warps
 #: the cluster counts the kernels unroll for
 MAX_CLUSTERS = 16
-KERNEL_EVENT_PREFIX = "fairseq_modattn::triton_"
-_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def available(points: Tensor, num_clusters: int) -> bool:
     """Whether the kernels take these (G, M, d) points: fp32 or fp64, each point's d values
     contiguous, at most ``MAX_CLUSTERS`` clusters."""
-    return points.dtype in _TL_DTYPES and points.stride(-1) == 1 and num_clusters <= MAX_CLUSTERS
+    return points.dtype in TL_DTYPES and points.stride(-1) == 1 and num_clusters <= MAX_CLUSTERS
 
 
 @triton.jit
@@ -204,7 +205,7 @@ def _shape_constants(point: Tensor, clusters: int) -> dict:
     dim = point.size(-1)
     points, warps = block_shape(dim)
     return dict(DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), CLUSTERS=clusters,
-                BLOCK_C=max(2, triton.next_power_of_2(clusters)), BLOCK_P=points, ACC=_TL_DTYPES[point.dtype],
+                BLOCK_C=max(2, triton.next_power_of_2(clusters)), BLOCK_P=points, ACC=TL_DTYPES[point.dtype],
                 num_warps=warps)
 
 

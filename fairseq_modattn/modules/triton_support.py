@@ -21,6 +21,9 @@ from torch import Tensor
 
 #: the release the kernels are written and tested against (torch 2.13's CUDA wheels pin it)
 TRITON_VERSION = "3.7.1"
+#: each launch of the package's Triton kernels is recorded as one profiler event named with this
+#: prefix, as its C kernels are (``benchmarks/kernel_calls.py`` counts them as launches)
+KERNEL_EVENT_PREFIX = "fairseq_modattn::triton_"
 
 
 def triton_available() -> bool:

@@ -331,6 +331,22 @@ def profile_dma(entry, cfg, d, device, length, top=15):
                                           for loc, ns, kernels in by_source]
 
 
+def warmed_up_samples(entries, cfg, d, device):
+    """(length, batch, sample) for each of ``cfg.lengths``, every model in train mode and warmed
+    up by one step at that shape (the first step at a shape may take other paths: caches,
+    allocation, compiling)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for length in cfg.lengths:
+        bsz = max(cfg.tokens // length, 1)
+        sample = training_sample(length, bsz, d, gen, device)
+        for e in entries:
+            e["model"].train()
+            zero_grad(e["model"])
+            train_step(e, sample)
+            zero_grad(e["model"])
+        yield length, bsz, sample
+
+
 def count_ops(entries, cfg, d, device):
     """Per length: the kernel launches of one training step of each model, and their ratio; then
     the launches of one beam-search decoding step. Off CUDA the models take the CUDA code path
@@ -338,18 +354,10 @@ def count_ops(entries, cfg, d, device):
     so the count is what a GPU launches."""
     emulating = device.type != "cuda"
     context = device_paths.emulate("cuda") if emulating else contextlib.nullcontext()
-    gen = torch.Generator().manual_seed(cfg.seed)
     rows = []
     with context:
-        for length in cfg.lengths:
-            bsz = max(cfg.tokens // length, 1)
-            sample = training_sample(length, bsz, d, gen, device)
-            counts = {}
-            for e in entries:
-                e["model"].train()
-                zero_grad(e["model"])
-                train_step(e, sample)  # the first step at a shape may take other paths (caches, allocation)
-                counts[e["name"]] = kernel_op_counts(e, sample, math_sdpa_as_fused=emulating)
+        for length, bsz, sample in warmed_up_samples(entries, cfg, d, device):
+            counts = {e["name"]: kernel_op_counts(e, sample, math_sdpa_as_fused=emulating) for e in entries}
             t, m = (sum(counts[n].values()) for n in ("transformer", "dma"))
             top = sorted(counts["dma"].items(), key=lambda kv: -kv[1])[:5]
             rows.append({"length": length, "batch": bsz, "transformer_ops": t, "dma_ops": m, "ops_ratio": m / t,
@@ -365,6 +373,53 @@ def count_ops(entries, cfg, d, device):
           f"{decoding['transformer']:.1f} | DMA {decoding['dma']:.1f} ({ratio:.2f} x)", flush=True)
     return {"path": "cuda, emulated on the cpu" if emulating else "cuda", "train": rows,
             "dma_calls_growth": flat, "decoding_step": {**decoding, "ratio": ratio}}
+
+
+# ----------------------------------------------------------------------------- traffic
+#: the floor's target (issue "DMA's GPU step as hand-written Triton kernels"): a DMA step's bytes
+#: at most this many times the transformer's at L = 128
+TRAFFIC_TARGET = (128, 1.3)
+
+
+def traffic(entries, cfg, d, device, top=6):
+    """Per length: the matmul FLOPs and the bytes of one training step of each model
+    (``step_traffic.py``: each operator alone, the Triton kernels' loads and stores from their
+    tiles), the CUDA code path as ``count_ops`` takes it, and their ratios. DMA's compiled
+    graphs are not ATen operators: a compiled or "triton" model is counted by its eager forward
+    (``dma_compiled.eager_forwards``; for "triton", its kernels and the eager operators around
+    them, unfused, which the compiled graph fuses further)."""
+    from step_traffic import count_traffic
+
+    from fairseq_modattn.modules import dma_compiled
+
+    emulating = device.type != "cuda"
+    rows = []
+    with device_paths.emulate("cuda") if emulating else contextlib.nullcontext(), dma_compiled.eager_forwards():
+        for length, bsz, sample in warmed_up_samples(entries, cfg, d, device):
+            counted = {}
+            for e in entries:
+                zero_grad(e["model"])
+                counted[e["name"]] = count_traffic(lambda: train_step(e, sample))  # noqa: B023
+                zero_grad(e["model"])
+            t, m = counted["transformer"], counted["dma"]
+            movers = sorted(m.by_op.items(), key=lambda kv: -kv[1])[:top]
+            row = {"length": length, "batch": bsz, "transformer_gflops": t.flops / 1e9, "dma_gflops": m.flops / 1e9,
+                   "flops_ratio": m.flops / t.flops, "transformer_gb": t.bytes / 1e9, "dma_gb": m.bytes / 1e9,
+                   "bytes_ratio": m.bytes / t.bytes, "dma_top_movers_gb": {k: v / 1e9 for k, v in movers}}
+            rows.append(row)
+            print(f"  L={length:4d} B={bsz:4d}: FLOPs transformer {row['transformer_gflops']:8.2f} G | DMA "
+                  f"{row['dma_gflops']:8.2f} G ({row['flops_ratio']:.3f} x); bytes transformer "
+                  f"{row['transformer_gb']:7.2f} GB | DMA {row['dma_gb']:7.2f} GB ({row['bytes_ratio']:.2f} x)",
+                  flush=True)
+            print("        DMA's largest movers: " + ", ".join(f"{name.split('::')[-1]} {gb:.2f} GB"
+                                                        for name, gb in row["dma_top_movers_gb"].items()), flush=True)
+    length, target = TRAFFIC_TARGET
+    at = [r for r in rows if r["length"] == length]
+    if at:
+        met = "met" if at[0]["bytes_ratio"] <= target else "not met"
+        print(f"  floor: bytes at L={length} {at[0]['bytes_ratio']:.2f} x the transformer's (target <= {target} x: "
+              f"{met})", flush=True)
+    return {"path": "cuda, emulated on the cpu" if emulating else "cuda", "rows": rows}
 
 
 # ----------------------------------------------------------------------------- host cost
@@ -446,6 +501,10 @@ def get_parser():
                         "killed by the kernel; default 90%% of MemAvailable at start, 0 = no cap")
     p.add_argument("--quick", action="store_true",
                    help="tiny model (64/128, 2+2 layers, 1k symbols) and batches: a smoke run")
+    p.add_argument("--width", type=int, default=None, metavar="E",
+                   help="both models at embedding width E (FFN 2E), the bench's layers and heads kept: for "
+                        "--count-ops, whose counts do not depend on the width, at the bench's depth in a fraction "
+                        "of the time (with --quick: its 2+2 layers at width E)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     p.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
     p.add_argument("--no-train", action="store_true", help="skip the training-step benchmark")
@@ -464,6 +523,11 @@ def get_parser():
                    help="build the DMA model with this --dma-backend ('compile' is --compile; 'triton' runs on "
                         "CUDA, or on the CPU in Triton's interpreter under TRITON_INTERPRET=1, for counting only: "
                         "each launch of its kernels records one profiler event)")
+    p.add_argument("--traffic", action="store_true",
+                   help="also count the matmul FLOPs and the bytes of one training step per model and length "
+                        "(benchmarks/step_traffic.py: each operator alone, the Triton kernels' own loads and stores "
+                        f"from their tiles) and print the ratio; the target is <= {TRAFFIC_TARGET[1]} x at "
+                        f"L = {TRAFFIC_TARGET[0]}")
     p.add_argument("--host-cost", action="store_true",
                    help="also time the host's side of a training step (Python, dispatch, autograd): both models "
                         f"at width {HOST_COST_WIDTH}, on the CPU with one thread and the CUDA path emulated, so "
@@ -476,13 +540,18 @@ def get_parser():
 def main(argv=None):
     cfg = get_parser().parse_args(argv)
     device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
+    if cfg.width is not None:  # fairseq takes the last of repeated flags: these override --quick's
+        widths = [str(cfg.width), str(2 * cfg.width)]
+        cfg.model_args = [*cfg.model_args, *(arg for side in ("encoder", "decoder") for arg in (
+            f"--{side}-embed-dim", widths[0], f"--{side}-ffn-embed-dim", widths[1]))]
 
     d = synthetic_dictionary(cfg.dict_size)
     if cfg.dma_backend == "compile":
         cfg.compile = True
     elif cfg.dma_backend is not None and cfg.compile:
         raise SystemExit(f"bench_dma: --compile is --dma-backend compile, not {cfg.dma_backend}")
-    if cfg.compile:
+    compiles = cfg.compile or cfg.dma_backend == "triton"  # "triton": its glue is compiled (dma_compiled)
+    if compiles:
         # before anything compiles: the kernels' profiler events are written into their code
         from torch._inductor import config as inductor_config
 
@@ -547,6 +616,11 @@ def main(argv=None):
               f"{'emulated on the CPU' if device.type != 'cuda' else 'on this GPU'}):", flush=True)
         results["kernel_ops"] = count_ops(entries, cfg, d, device)
 
+    if cfg.traffic:
+        print("\nFLOPs and bytes per training step (benchmarks/step_traffic.py; the CUDA code path, "
+              f"{'emulated on the CPU' if device.type != 'cuda' else 'on this GPU'}):", flush=True)
+        results["traffic"] = traffic(entries, cfg, d, device)
+
     if cfg.host_cost:
         length, bsz = HOST_COST_SHAPE
         print(f"\nhost cost of a training step (CPU, one thread, CUDA path emulated, width {HOST_COST_WIDTH}, "
@@ -576,12 +650,13 @@ def main(argv=None):
                       f"({100.0 * kernel_ms / step_ms:.0f} %)", flush=True)
             results["profile"]["gpu_busy"] = busy
 
-    if cfg.compile:
+    if compiles:
         from fairseq_modattn.modules import dma_compiled
 
         results["dma_compile_failed"] = dma_compiled.compile_failed()
         if results["dma_compile_failed"]:
-            print("\n--compile: torch.compile failed, the DMA model ran eagerly (from the first failure on)")
+            print(f"\n--dma-backend {backend}: torch.compile failed, the DMA model ran eagerly (from the first "
+                  "failure on)")
     write_json(cfg.json, results)
     print(f"\nresults written to {cfg.json}")
     return results

@@ -53,22 +53,23 @@ def steps(out: Path, data: Optional[Path]) -> List[Dict]:
     dma = [py, str(BENCH / "bench_dma.py"), "--device", "cuda", "--lengths", "32", "128", "512", "--repeats", "5",
            "--warmup", "2", "--gen-repeats", "2"]
     plan = [
-        dict(name="kernels", seconds=120, json=None,
+        dict(name="kernels", seconds=100, json=None,
              cmd=[py, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "fast or e2e",
                   str(REPO / "tests" / "test_triton_attention.py"), "--torch-device", "cuda"]),
-        dict(name="tiles", seconds=60, json="tiles.json",
+        dict(name="tiles", seconds=40, json="tiles.json",
              cmd=[py, str(BENCH / "triton_tiles.py"), "--device", "cuda", "--json", str(out / "tiles.json")]),
     ]
     for backend in ("eager", "triton", "compile"):
-        plan.append(dict(name=f"dma_{backend}", seconds=100 if backend == "compile" else 60,
+        # "compile" and "triton" compile their graphs (a minute or so) before timing
+        plan.append(dict(name=f"dma_{backend}", seconds=50 if backend == "eager" else 90,
                          json=f"dma_{backend}.json",
                          cmd=[*dma, "--dma-backend", backend, "--json", str(out / f"dma_{backend}.json")]))
     rim = [py, str(BENCH / "bench_rim.py"), "--device", "cuda", "--repeats", "5", "--warmup", "2"]
     plan += [
-        dict(name="rim", seconds=30, json="rim.json", cmd=[*rim, "--json", str(out / "rim.json")]),
-        dict(name="rim_compile", seconds=45, json="rim_compile.json",
+        dict(name="rim", seconds=25, json="rim.json", cmd=[*rim, "--json", str(out / "rim.json")]),
+        dict(name="rim_compile", seconds=40, json="rim_compile.json",
              cmd=[*rim, "--compile", "--json", str(out / "rim_compile.json")]),
-        dict(name="variants", seconds=45, json="variants.json",
+        dict(name="variants", seconds=35, json="variants.json",
              cmd=[py, str(BENCH / "bench_variants.py"), "--device", "cuda", "--json", str(out / "variants.json")]),
     ]
     if data is not None:

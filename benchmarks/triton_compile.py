@@ -33,12 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 #: the inputs' dtype, "a": the accumulation's, fp32)
 _KERNELS = {
     "attention_forward": ("interpolated_attention_triton", "_forward_kernel", dict(
-        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", OUT="x", DIFF="a", LSE="a")),
+        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", GAMMA="a", OUT="x", DIFF="a", LSE="a")),
     "attention_backward_queries": ("interpolated_attention_triton", "_backward_query_kernel", dict(
-        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", OUT="x", DIFF="a", LSE="a", DO="x", DQ="x",
+        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", GAMMA="a", OUT="x", DIFF="a", LSE="a", DO="x", DQ="x",
         DPQ="a", R="a")),
     "attention_backward_keys": ("interpolated_attention_triton", "_backward_key_kernel", dict(
-        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", LSE="a", DO="x", R="a", DK="x", DV="x", DPK="a")),
+        Q="x", K="x", V="x", PQ="a", PK="a", PAD="u8", MASK="a", GAMMA="a", LSE="a", DO="x", R="a", DK="x", DV="x",
+        DPK="a")),
     # the GMMs run in fp32 whatever the model's dtype: their points are "a"
     "gmm_forward": ("mixture_triton", "_forward_kernel", dict(
         X="a", Z="a", IV="a", SM="a", LN="a", OFF="a", J="a", LP="a", P="a", KL="a", TERMS="a")),
@@ -49,7 +50,7 @@ _KERNELS = {
     "infonce_forward": ("infonce_triton", "_scores_kernel", dict(Q="a", VALID="u8", SCORES="a", LSE="a")),
     "infonce_backward": ("infonce_triton", "_gradient_kernel", dict(Q="a", VALID="u8", LSE="a", G="a", DQ="a")),
 }
-_FLOAT_SCALARS = ("gamma", "scale", "dropout_p", "keep_scale", "kl_const", "kl_shift")
+_FLOAT_SCALARS = ("scale", "dropout_p", "keep_scale", "kl_const", "kl_shift")
 _TYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 
 

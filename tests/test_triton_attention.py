@@ -15,6 +15,11 @@ tensors; with
   regulariser and every parameter gradient in fp32, for each attention type, both objectives,
   both query-GMM inputs, dropout on and off (the eager module's dropout made equal to the
   kernels'), gamma 0 and > 0; and a whole model's loss and gradients through fairseq's criterion.
+  The backend's forward is ``dma_compiled``'s graph with the kernels as operators
+  (``triton_ops``); here the graph runs uncompiled (``dma_compiled.BACKEND = None``: the same
+  operators, without inductor's minute of compiling), and once compiled by inductor (e2e tier).
+  Where compiling fails the module runs its eager forward with all three kernel sets
+  (``eager_glue``), which is tested too.
 * What the path keeps and launches: no T x S tensor saved for backward, one kernel forward and
   two backward (counted, not timed), the flags and their errors.
 
@@ -24,6 +29,7 @@ fp32 module comparisons as tests/test_dma_compiled.py's ``assert_matches`` (1e-5
 largest value, with its floors for differences of large terms).
 """
 
+import contextlib
 import sys
 
 import pytest
@@ -35,14 +41,18 @@ if sys.platform != "linux":
 
 import fairseq_modattn  # noqa: E402,F401  (registers the plugin)
 from attention_helpers import causal_mask  # noqa: E402
-from fairseq_modattn.modules import interpolated_attention, interpolated_attention_triton  # noqa: E402
+from fairseq_modattn.modules import (  # noqa: E402
+    dma_compiled,  # noqa: E402
+    interpolated_attention,
+    interpolated_attention_triton,
+)
 from fairseq_modattn.modules.interpolated_attention_triton import (  # noqa: E402
     KERNEL_EVENT_PREFIX,
     dropout_keep_mask,
     triton_interpolated_attention,
 )
 from fairseq_modattn.modules.triton_support import interpreting  # noqa: E402
-from test_dma_compiled import KINDS, assert_matches, build, inputs, step  # noqa: E402
+from test_dma_compiled import KINDS, assert_matches, build, inputs, needs_inductor, require_inductor, step  # noqa: E402
 
 FP64_RTOL = 1e-9 if interpreting() else 1e-6
 
@@ -242,12 +252,39 @@ def test_dropout_keeps_with_probability_one_minus_p_and_is_seeded(torch_device):
 SETTINGS = [("authors", {}), ("paper", {}), ("paper", {"query_gmm_input": "scaled"})]
 
 
+@pytest.fixture(autouse=True)
+def uncompiled_graph():
+    """The backend's graph (``dma_compiled.dma_math`` with the kernels' operators) run as it is,
+    not compiled: every test here but those that ask inductor themselves."""
+    previous = dma_compiled.BACKEND
+    dma_compiled.BACKEND = None
+    dma_compiled.reset()
+    yield
+    dma_compiled.BACKEND = previous
+    dma_compiled.reset()
+
+
+@pytest.fixture(params=["graph", "eager"])
+def glue(request):
+    """Around the kernels: the backend's graph ("graph"), or the eager module with all three
+    kernel sets ("eager": what the backend runs where compiling failed)."""
+    with dma_compiled.eager_forwards() if request.param == "eager" else contextlib.nullcontext():
+        yield request.param
+
+
+@pytest.fixture
+def eager_glue():
+    with dma_compiled.eager_forwards():
+        yield
+
+
 @pytest.fixture
 def equal_dropout(monkeypatch):
     """The eager module's attention dropout drawn from the kernels' Philox stream with one key,
     so that the eager module (the oracle) and the kernels drop the same entries of A^."""
     seed = 4321
-    monkeypatch.setattr(interpolated_attention_triton, "draw_seed", lambda: seed)
+    for module in (interpolated_attention_triton, dma_compiled):  # the eager glue's key, the graph's
+        monkeypatch.setattr(module, "draw_seed", lambda: seed)
 
     def drop(mixed, keep, dropout_p):
         bsz, heads, tgt_len, src_len = mixed.shape
@@ -277,26 +314,36 @@ def test_module_matches_the_eager_module(kind, objective, settings, torch_device
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_module_with_dropout_matches_the_eager_module(kind, equal_dropout, torch_device):
+def test_module_with_eager_glue_matches_the_eager_module(kind, eager_glue, torch_device):
+    compare_with_eager(build(kind, "authors", device=torch_device), kind, torch_device)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_module_with_dropout_matches_the_eager_module(kind, glue, equal_dropout, torch_device):
     # the eager module's fused CPU form drops A^, as the kernels do (on CUDA its default form
     # would be two SDPA calls dropping A and A~ apart)
     m = build(kind, "authors", device=torch_device, dropout=0.2, attention_impl="fused")
     compare_with_eager(m, kind, torch_device)
 
 
-def test_module_at_gamma_zero_is_plain_attention_on_both_paths(torch_device):
+def test_module_at_gamma_zero_is_plain_attention_on_both_paths(glue, torch_device):
     m = build("dec_self", "paper", device=torch_device)
     compare_with_eager(m, "dec_self", torch_device, num_updates=0)
     assert m.gamma == 0.0
 
 
-def test_whole_model_loss_and_gradients_equal_eager_through_the_criterion(tiny_model, equal_dropout):
+def test_whole_model_loss_and_gradients_equal_eager_through_the_criterion(tiny_model, glue, equal_dropout):
     from fairseq_modattn.criterions.label_smoothed_cross_entropy_with_aux import (
         LabelSmoothedCrossEntropyWithAuxCriterion,
     )
     from test_architectures import SMALL
 
-    model, d, task, _ = tiny_model("dma_transformer_iwslt_de_en_tiny", *SMALL, "--attention-dropout", "0.1")
+    # Attention dropout with the eager glue only: fairseq's last decoder layer asks its
+    # encoder-decoder attention for weights in training, which the graph then computes without
+    # the kernels, drawing its dropout from torch's generator, not from the kernels' Philox
+    # stream (the graph's dropout with the kernels: test_module_with_dropout_matches_...[graph-*])
+    dropout = "0.1" if glue == "eager" else "0.0"
+    model, d, task, _ = tiny_model("dma_transformer_iwslt_de_en_tiny", *SMALL, "--attention-dropout", dropout)
     model.train()
     model.set_num_updates(1500)
     pad, eos = d.pad(), d.eos()
@@ -333,28 +380,56 @@ def triton_step_and_events(kernel_calls, m, kind, backend, device):
     return kernel_calls.count_kernel_calls(lambda: step(m, False, kind, *args, backend=backend))
 
 
+#: the kernel launches of one training step of one module: the attention and L_Dxq's critic
+#: (infonce_triton) in both glues; the eager glue also runs the token and query GMMs' passes
+#: (mixture_triton; encoder-decoder attention clusters both sides' inputs in one token-GMM
+#: call), which the graph leaves to inductor to fuse with the regularisers
+KERNEL_LAUNCHES = {"interpolated_attention_forward": 1, "interpolated_attention_backward_queries": 1,
+                   "interpolated_attention_backward_keys": 1, "infonce_forward": 1, "infonce_backward": 1}
+EAGER_GLUE_LAUNCHES = {**KERNEL_LAUNCHES, "gmm_forward": 2, "gmm_backward": 2}
+#: none of the eager attention's operators: no dropout draw, no T x S product, no (B, 1, T, S)
+#: mask assembled from the padding (the regularisers have softmaxes of their own)
+EAGER_ATTENTION_OPS = ("aten::rand", "aten::bmm", "aten::masked_fill",
+                       "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention")
+
+
+def kernel_events(counts):
+    return {name[len(KERNEL_EVENT_PREFIX):]: n for name, n in counts.items() if name.startswith(KERNEL_EVENT_PREFIX)}
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_each_step_launches_the_kernels_once_each(kind, kernel_calls, torch_device):
+def test_each_step_launches_the_kernels_once_each(kind, glue, kernel_calls, torch_device):
     m = build(kind, "authors", device=torch_device, dropout=0.1)
     counts = triton_step_and_events(kernel_calls, m, kind, "triton", torch_device)
-    events = {name: n for name, n in counts.items() if name.startswith(KERNEL_EVENT_PREFIX)}
-    # the attention, the token and query GMMs' passes (mixture_triton; encoder-decoder attention
-    # clusters both sides' inputs in one token-GMM call) and L_Dxq's critic (infonce_triton)
-    assert events == {KERNEL_EVENT_PREFIX + "interpolated_attention_forward": 1,
-                      KERNEL_EVENT_PREFIX + "interpolated_attention_backward_queries": 1,
-                      KERNEL_EVENT_PREFIX + "interpolated_attention_backward_keys": 1,
-                      KERNEL_EVENT_PREFIX + "gmm_forward": 2, KERNEL_EVENT_PREFIX + "gmm_backward": 2,
-                      KERNEL_EVENT_PREFIX + "infonce_forward": 1, KERNEL_EVENT_PREFIX + "infonce_backward": 1}, counts
-    # none of the eager attention's operators: no dropout draw, no T x S product, no (B, 1, T, S)
-    # mask assembled from the padding (the regularisers have softmaxes of their own)
-    eager_only = ("aten::rand", "aten::bmm", "aten::masked_fill",
-                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention")
-    assert not [name for name in eager_only if counts.get(name)], counts
-    eager = triton_step_and_events(kernel_calls, m, kind, "eager", torch_device)
-    assert sum(counts.values()) < sum(eager.values())
+    assert kernel_events(counts) == (EAGER_GLUE_LAUNCHES if glue == "eager" else KERNEL_LAUNCHES), counts
+    assert not [name for name in EAGER_ATTENTION_OPS if counts.get(name)], counts
+    if glue == "eager":  # the graph's count is the compiled graph's (test_compiled_graph_with_the_kernels_...)
+        eager = triton_step_and_events(kernel_calls, m, kind, "eager", torch_device)
+        assert sum(counts.values()) < sum(eager.values())
 
 
-def test_no_token_pair_table_is_kept_for_backward(torch_device):
+@needs_inductor
+def test_compiled_graph_with_the_kernels_matches_eager_and_launches_less(kernel_calls, equal_dropout, torch_device):
+    # the backend as it trains: dma_math compiled by inductor around the kernels' operators; the
+    # decoder's self-attention (causal mask as a rule, padding, dropout) is its fullest graph
+    require_inductor(torch_device)
+    dma_compiled.BACKEND = "inductor"
+    dma_compiled.reset()
+    import torch._inductor.config as inductor_config
+
+    m = build("dec_self", "authors", device=torch_device, dropout=0.1, attention_impl="fused")
+    with inductor_config.patch(fallback_random=True):
+        compare_with_eager(m, "dec_self", torch_device)
+        assert not dma_compiled.compile_failed()
+        counts = triton_step_and_events(kernel_calls, m, "dec_self", "triton", torch_device)
+    assert kernel_events(counts) == KERNEL_LAUNCHES, counts
+    assert not [name for name in EAGER_ATTENTION_OPS if counts.get(name)], counts
+    with dma_compiled.eager_forwards():  # the eager glue, for comparison
+        eager_glue = triton_step_and_events(kernel_calls, m, "dec_self", "triton", torch_device)
+    assert sum(counts.values()) < sum(eager_glue.values()) / 2, (counts, eager_glue)
+
+
+def test_no_token_pair_table_is_kept_for_backward(glue, torch_device):
     # the decoder's self-attention with dropout and padding: the eager module keeps the (B, H, T,
     # S) keep mask (and the fused form's inputs); the kernels keep per-token tensors only
     m = build("dec_self", "authors", device=torch_device, dropout=0.2, attention_impl="fused")

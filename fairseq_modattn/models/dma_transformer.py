@@ -290,9 +290,9 @@ class DMATransformerModel(TransformerVariantModel):
                                 "'compile' (each module's forward as one torch.compile'd graph, far fewer "
                                 "kernel launches on a GPU; the first batches compile, about a minute per "
                                 "attention type; where torch.compile fails the modules run eagerly, one log "
-                                "line), 'triton' (the interpolated attention, one pass with no T x S table "
-                                "in memory, and the GMMs' passes as Triton kernels; CUDA only, needs the "
-                                "triton package), "
+                                "line), 'triton' (the same graphs with the interpolated attention and "
+                                "L_Dxq's critic as hand-written Triton kernels, one pass each with no T x S "
+                                "table in memory; CUDA only, needs the triton package), "
                                 "'auto' (default: eager). Validation and generation run eagerly with all")
         group.add_argument("--dma-compile", action="store_true",
                            help="the same as --dma-backend compile")

@@ -97,9 +97,10 @@ SAMPLE_INPUTS = ("gmm", "attention")
 QUERY_GMM_INPUTS = ("raw", "scaled")
 #: how a training forward is computed (``--dma-backend``): "eager" (PyTorch operators and this
 #: package's autograd functions), "compile" (``dma_compiled``: one torch.compile'd graph),
-#: "triton" (the interpolated attention and the GMMs' passes as Triton kernels,
-#: ``interpolated_attention_triton`` and ``mixture_triton``; CUDA), "auto" (the default: eager,
-#: until a GPU's measurements choose otherwise).
+#: "triton" (``dma_compiled``'s graph with the interpolated attention and L_Dxq's critic as
+#: Triton kernels, ``triton_ops``; where compiling fails, the eager forward with those and the
+#: GMMs' passes as kernels; CUDA), "auto" (the default: eager, until a GPU's measurements choose
+#: otherwise).
 #: Evaluation, validation and generation run eagerly with every backend.
 BACKENDS = ("auto", "eager", "compile", "triton")
 
@@ -249,7 +250,8 @@ class DisentangledMaskAttention(MultiheadAttentionBase):
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None, need_weights=True,
                 static_kv=False, attn_mask=None, before_softmax=False, need_head_weights=False):
-        if self.compile_math and dma_compiled.applies(self, query, key, incremental_state, attn_mask, before_softmax):
+        if self.backend in ("compile", "triton") and dma_compiled.applies(
+                self, query, key, incremental_state, attn_mask, before_softmax):
             result = dma_compiled.forward(
                 self, query, key, value, key_padding_mask, attn_mask, need_weights, need_head_weights
             )

@@ -1,4 +1,5 @@
-"""DMA's training forward as one compiled graph per module (``--dma-compile``).
+"""DMA's training forward as one compiled graph per module (``--dma-backend compile``, and
+around its Triton kernels ``--dma-backend triton``).
 
 On a GPU a DMA training step is launch-bound: every ATen call is a kernel launch (about 10 µs),
 more than the arithmetic of the small per-token tables of the GMMs and regularisers. Here the
@@ -32,6 +33,11 @@ sample, CLUB's negatives) are made in the eager module's order and shapes, so th
 and the eager forward see the same numbers from the same seed; attention dropout, if any, is
 drawn inside the graph (``torch.rand`` on the mixed weights, as the fused CPU kernel does).
 
+With ``MathConfig.kernels`` (``--dma-backend triton``) the attention and L_Dxq's critic are
+Triton kernels called as operators (``triton_ops``): one pass over the keys each way, nothing
+T x S, no checkpointing needed; inductor fuses everything else around them. A forward asked
+for its weights keeps the matmul attention (the kernels build none).
+
 Which forwards take the compiled path (``applies``): training forwards without incremental
 state, weights or beams, with a 2-D (fairseq's future mask) or no attention mask, whose module
 computes a mask or its regularisers; evaluation, validation and incremental decoding run the
@@ -58,6 +64,7 @@ Where ``torch.compile`` fails (no C++ compiler, an unsupported torch), the first
 logged in one line and every DMA module runs eagerly from then on.
 """
 
+import contextlib
 import inspect
 import logging
 import math
@@ -68,10 +75,13 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .future_mask import is_future_mask
 from .gmm import LOG_2PI, group_major_points
 from .mi_bounds import _DIV_COEFFICIENTS, _PADDED_KEY_CRITIC, BOUNDED_QQ_EPS, sample_negatives
 from .noise import standard_normal, standard_normal_like
 from .precision import at_least_fp32
+from .scalar_tensors import scalar_tensor
+from .triton_support import draw_seed, kernel_device_error
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +107,8 @@ class MathConfig(NamedTuple):
     need_aux: bool
     dropout: float
     weights: str  # what the caller asked for: "none", "mean" (over heads) or "heads"
+    kernels: bool = False  # the T x S passes as Triton kernels (``triton_ops``; the "triton" backend)
+    causal: bool = False  # the attention mask is fairseq's future mask (the kernels apply it as a rule)
 
 
 # ----------------------------------------------------------------------------- the math
@@ -182,14 +194,18 @@ def diversity_penalty(post: Tensor, valid: Tensor, form: str, per_sentence: bool
     return total / denominator.clamp_min(1.0)
 
 
-def infonce_bound(post: Tensor, valid: Tensor, per_sentence: bool) -> Tensor:
+def infonce_bound(post: Tensor, valid: Tensor, per_sentence: bool, kernels: bool = False) -> Tensor:
     """L_Dxq (``mi_bounds._InfoNCEBound``): mean_i [f_ii - log mean_j exp f_ij] over the real
-    tokens, f = Q Q^T over the real keys (a padded key's critic is -1e4)."""
-    c = torch.where(valid[:, None, :, None], post, 0.0)
-    key_critic = torch.where(valid, 0.0, _PADDED_KEY_CRITIC)[:, None, None, :]  # (B, 1, 1, N)
-    critic = (c.unsqueeze(-2) * c.unsqueeze(-3)).sum(-1) + key_critic  # (B, H, N, N)
-    diagonal = (c * c).sum(-1) + key_critic[:, :, 0]  # f_ii, (B, H, N)
-    scores = (diagonal - torch.logsumexp(critic, -1)).mean(1)  # (B, N)
+    tokens, f = Q Q^T over the real keys (a padded key's critic is -1e4); with ``kernels`` the
+    scores f_ii - log sum_j exp f_ij by ``triton_ops.infonce_scores`` (no N x N table)."""
+    if kernels:
+        scores = torch.ops.fairseq_modattn_ops.infonce_scores(post, valid)[0].mean(1)
+    else:
+        c = torch.where(valid[:, None, :, None], post, 0.0)
+        key_critic = torch.where(valid, 0.0, _PADDED_KEY_CRITIC)[:, None, None, :]  # (B, 1, 1, N)
+        critic = (c.unsqueeze(-2) * c.unsqueeze(-3)).sum(-1) + key_critic  # (B, H, N, N)
+        diagonal = (c * c).sum(-1) + key_critic[:, :, 0]  # f_ii, (B, H, N)
+        scores = (diagonal - torch.logsumexp(critic, -1)).mean(1)  # (B, N)
     if per_sentence:
         count = valid.sum(1, dtype=post.dtype).clamp_min(1.0)
         return count.log() + (scores * valid).sum(1) / count
@@ -275,6 +291,7 @@ def dma_math(
     query_noise: Optional[Tensor],
     negatives: Optional[Tensor],
     gamma: Tensor,
+    seed: Tensor,
     projections: Tuple[Optional[Tensor], ...],
     token_gmm: Tuple[Tensor, Tensor, Tensor],
     query_gmm: Tuple[Tensor, Tensor, Tensor],
@@ -290,8 +307,8 @@ def dma_math(
     sampling (the projections read the sample too), else (T, B, H, d); key_token_noise: the
     same for the keys' input of encoder-decoder attention; query_noise (B, H, T, d): eps' of the
     query sample ("attention" sampling) or None; negatives (B, T): CLUB's sampled tokens (or
-    None); gamma: 0-d; projections: (W, b) of q, k, v, out; token_gmm, query_gmm: (logits,
-    means, log_vars)."""
+    None); gamma: 0-d; seed: the kernels' dropout key (``cfg.kernels``), 0-d int64 on the CPU;
+    projections: (W, b) of q, k, v, out; token_gmm, query_gmm: (logits, means, log_vars)."""
     heads, dim, s = cfg.num_heads, cfg.head_dim, cfg.noise_scale
     wq, bq, wk, bk, wv, bv, wo, bo = projections
     dtype = at_least_fp32(query)
@@ -351,11 +368,18 @@ def dma_math(
         aux = (
             kl + _token_mean(query_kl, query_valid, cfg.per_sentence),
             dqq,
-            # its N x N critic is recomputed in backward (module docstring, "Memory")
+            # its N x N critic is recomputed in backward (module docstring, "Memory"); the kernels build none
+            infonce_bound(query_post, query_valid, cfg.per_sentence, True) if cfg.kernels else
             checkpoint(infonce_bound, query_post, query_valid, cfg.per_sentence, use_reentrant=False),
             div + diversity_penalty(query_post, query_valid, cfg.div_form, cfg.per_sentence),
         )
 
+    if cfg.kernels:  # one pass over the keys forward and backward, nothing T x S in memory
+        out = torch.ops.fairseq_modattn_ops.interpolated_attention(
+            sampled_q, k, v, heads_first(q_stats[2]), heads_first(k_stats[2]), key_padding,
+            None if cfg.causal else attn_mask, cfg.causal, gamma, cfg.dropout, seed,
+        )[0]
+        return (nn.functional.linear(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed), wo, bo), *aux)
     # recomputed in backward (module docstring, "Memory"), as the eager module's attention is
     out, weights = checkpoint(
         interpolated_attention, sampled_q, k, v, heads_first(q_stats[2]), heads_first(k_stats[2]), attn_mask,
@@ -385,6 +409,19 @@ class _State:
 
     compiled: Dict[MathConfig, object] = {}
     failed = False
+    eager = False  # ``eager_forwards``
+
+
+@contextlib.contextmanager
+def eager_forwards():
+    """Inside the block every DMA module runs its eager forward, as where compiling failed (the
+    "triton" backend: its kernels with eager operators around them). For a count of what runs,
+    which a compiled graph's generated kernels would hide (``benchmarks/step_traffic.py``)."""
+    previous, _State.eager = _State.eager, True
+    try:
+        yield
+    finally:
+        _State.eager = previous
 
 
 def reset():
@@ -419,7 +456,7 @@ def applies(module, query: Tensor, key: Optional[Tensor], incremental_state, att
     """Whether this forward of ``module`` (a DisentangledMaskAttention with ``compile_math``) takes
     the compiled path (module docstring): training, no incremental state, fairseq's masks, and a
     mask or regularisers to compute."""
-    if _State.failed or not module.training or incremental_state is not None or before_softmax:
+    if _State.failed or _State.eager or not module.training or incremental_state is not None or before_softmax:
         return False
     if not (module.collect_aux or module.gamma != 0.0):
         return False  # plain attention: nothing to compile
@@ -430,18 +467,8 @@ def applies(module, query: Tensor, key: Optional[Tensor], incremental_state, att
     return all(type(p) is nn.Linear for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj))
 
 
-_gamma_cache: Dict[Tuple[float, torch.device], Tensor] = {}
-
-
-def _gamma_tensor(gamma: float, device: torch.device) -> Tensor:
-    """gamma as a 0-d tensor, one per value and device (a graph input, so that the annealed
-    gamma of every update does not recompile the graph)."""
-    key = (gamma, device)
-    if key not in _gamma_cache:
-        if len(_gamma_cache) > 16:
-            _gamma_cache.clear()
-        _gamma_cache[key] = torch.tensor(gamma, dtype=torch.float32, device=device)
-    return _gamma_cache[key]
+#: the kernels' dropout key where there is no dropout (a graph input all the same)
+_NO_SEED = torch.zeros((), dtype=torch.int64)
 
 
 def _projection_dtype(x: Tensor) -> torch.dtype:
@@ -472,7 +499,9 @@ def _gmm_draws(module, x: Tensor, concatenated: bool) -> Tensor:
     return drawn
 
 
-def config_of(module, weights: str) -> MathConfig:
+def config_of(module, weights: str, causal: bool = False) -> MathConfig:
+    """The graph constants of ``module``'s forward; the "triton" backend's kernels serve a forward
+    that returns no weights (the kernels keep none)."""
     return MathConfig(
         num_heads=module.num_heads,
         head_dim=module.head_dim,
@@ -487,6 +516,8 @@ def config_of(module, weights: str) -> MathConfig:
         need_aux=module.collect_aux,
         dropout=float(module.dropout),
         weights=weights,
+        kernels=module.backend == "triton" and weights == "none",
+        causal=causal,
     )
 
 
@@ -497,8 +528,17 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     ``MultiheadAttentionBase.forward``'s arguments and result; sets ``module.aux_losses`` while
     ``collect_aux`` is on. None where compiling failed: the caller then runs the eager module."""
     weights = "heads" if need_head_weights else "mean" if need_weights else "none"
-    cfg = config_of(module, weights)
     tgt_len, bsz, _ = query.shape
+    cfg = config_of(module, weights)
+    if cfg.kernels:
+        error = kernel_device_error(query)
+        if error is not None:
+            raise RuntimeError(error)
+        from . import triton_ops  # noqa: F401 - registers the kernels' operators
+
+        if attn_mask is not None and attn_mask.size(0) == attn_mask.size(1) and is_future_mask(attn_mask):
+            # applied by the kernels as a rule: the graph reads no T x T table
+            cfg, attn_mask = cfg._replace(causal=True), None
     self_attention = module.self_attention
     if self_attention:
         key = value = None
@@ -548,8 +588,11 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     projections = tuple(t for p in (module.q_proj, module.k_proj, module.v_proj, module.out_proj)
                         for t in (p.weight, p.bias))
     gmms = tuple((g.logits, g.means, g.log_vars) for g in (module.token_gmm, module.query_gmm))
+    seed = _NO_SEED
+    if cfg.kernels and cfg.dropout > 0.0:
+        seed = torch.tensor(draw_seed())  # on the CPU: the kernels read it on the host
     args = (query, key, value, attn_mask, key_padding, query_padding, token_noise, key_token_noise, query_noise,
-            negatives, _gamma_tensor(module.gamma, query.device), projections, *gmms, cfg)
+            negatives, scalar_tensor(module.gamma, query.device), seed, projections, *gmms, cfg)
     try:
         # The configuration's floats are constants of the graph: as symbolic floats (dynamic=True's
         # default) dynamo would specialise them one by one, restarting its analysis. Duck sizing

@@ -9,13 +9,13 @@ one; padded tokens' Q count as 0, so whatever they hold reaches no sum),
     s_hi  = f_ii - lse_i,     lse_i = log sum_j exp f_ij                       (forward)
     dQ_i  = a [ 2 g_i Q_i - sum_j (g_i W_ij + g_j W_ji) Q_j ],   W_ij = exp(f_ij - lse_i)  (backward)
 
-with g the incoming gradient of each token's score (``_InfoNCEBound``'s g, the same for every
-head) and a its scale. The forward kernel (a program per block of queries of one head) keeps a
-running max and sum over key blocks and writes s and lse; the backward kernel (the same
-programs) recomputes each tile's <Q_i, Q_j> once and uses it for both W_ij and W_ji = exp(<Q_i,
-Q_j> + k_i - lse_j), so dQ needs no atomics and no second pass. The products over the C
-clusters are broadcast sums (C is below ``tl.dot``'s inner size on a GPU). Accumulation in
-fp32 (fp64 for fp64 posteriors).
+with g the incoming gradient of each token's score (``_InfoNCEBound``'s g is the same for every
+head; the compiled graph's may differ by head) and a its scale. The forward kernel (a program
+per block of queries of one head) keeps a running max and sum over key blocks and writes s and
+lse; the backward kernel (the same programs) recomputes each tile's <Q_i, Q_j> once and uses
+it for both W_ij and W_ji = exp(<Q_i, Q_j> + k_i - lse_j), so dQ needs no atomics and no second
+pass. The products over the C clusters are broadcast sums (C is below ``tl.dot``'s inner size
+on a GPU). Accumulation in fp32 (fp64 for fp64 posteriors).
 """
 
 from typing import Optional, Tuple
@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .interpolated_attention_triton import TL_DTYPES, _semantic_mask
-from .triton_support import KERNEL_EVENT_PREFIX
+from .triton_support import KERNEL_EVENT_PREFIX, KernelTraffic, report_traffic
 
 BLOCK = 32
 
@@ -83,11 +83,11 @@ def _scores_kernel(Q, VALID, SCORES, LSE, s_qb, s_qh, s_qn, s_qc, s_vb, H, N,
 
 
 @triton.jit
-def _gradient_kernel(Q, VALID, LSE, G, DQ, s_qb, s_qh, s_qn, s_qc, s_vb, s_gb, s_gn, H, N, scale,
+def _gradient_kernel(Q, VALID, LSE, G, DQ, s_qb, s_qh, s_qn, s_qc, s_vb, s_gb, s_gh, s_gn, H, N, scale,
                      CLUSTERS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_VALID: tl.constexpr, PADDED: tl.constexpr, ACC: tl.constexpr):
-    """dQ (B, H, N, C), contiguous; G: g per token, (B, N) with strides (s_gb, s_gn) (0 for a
-    scalar g)."""
+    """dQ (B, H, N, C), contiguous; G: g per head and token, (B, H, N) with strides (s_gb, s_gh,
+    s_gn) (0 along an axis g is constant on)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -99,7 +99,8 @@ def _gradient_kernel(Q, VALID, LSE, G, DQ, s_qb, s_qh, s_qn, s_qc, s_vb, s_gb, s
     base = Q + b * s_qb + h * s_qh
     q_rows = base + offs_m * s_qn
     lse_rows = tl.load(LSE + bh * N + offs_m, mask=row_ok, other=float("inf"))
-    g_rows = tl.load(G + b * s_gb + offs_m * s_gn, mask=row_ok, other=0.0).to(ACC)
+    g_base = G + b * s_gb + h * s_gh
+    g_rows = tl.load(g_base + offs_m * s_gn, mask=row_ok, other=0.0).to(ACC)
     grad = tl.zeros((BLOCK_M, BLOCK_C), ACC)
     for start in range(0, N, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -108,7 +109,7 @@ def _gradient_kernel(Q, VALID, LSE, G, DQ, s_qb, s_qh, s_qn, s_qc, s_vb, s_gb, s
         inner = _semantic_mask(q_rows, base + offs_n * s_qn, s_qc, s_qc, row_real, col_real, BLOCK_M, BLOCK_N,
                                CLUSTERS, ACC)
         lse_cols = tl.load(LSE + bh * N + offs_n, mask=col_ok, other=float("inf"))
-        g_cols = tl.load(G + b * s_gb + offs_n * s_gn, mask=col_ok, other=0.0).to(ACC)
+        g_cols = tl.load(g_base + offs_n * s_gn, mask=col_ok, other=0.0).to(ACC)
         forward = tl.exp(inner + key_critic[None, :] - lse_rows[:, None])  # W_ij
         backward = tl.exp(inner + own_critic[:, None] - lse_cols[None, :])  # W_ji, laid out as (i, j)
         weight = g_rows[:, None] * forward + g_cols[None, :] * backward
@@ -121,6 +122,17 @@ def _gradient_kernel(Q, VALID, LSE, G, DQ, s_qb, s_qh, s_qn, s_qc, s_vb, s_gb, s
     grad = scale * (2.0 * g_rows[:, None] * own - grad)
     tl.store(DQ + (bh * N + offs_m[:, None]) * CLUSTERS + offs_c[None, :], grad,
              mask=row_ok[:, None] & (offs_c < CLUSTERS)[None, :])
+
+
+def _traffic(post: Tensor, valid: Optional[Tensor], extra_per_token: int, stored_per_token: int) -> KernelTraffic:
+    """A pass over the keys for every block of queries: a token's Q (and validity byte) read
+    once as a query and once per query block as a key, with ``extra_per_token`` more values
+    each time (backward: lse and g); ``stored_per_token`` values stored (forward: s and lse)."""
+    bsz, heads, length, clusters = post.shape
+    size = post.element_size()
+    token = (clusters + extra_per_token) * size + (0 if valid is None else 1)
+    reads = 1 + triton.cdiv(length, BLOCK)
+    return KernelTraffic(bsz * heads * length * token * reads, bsz * heads * length * stored_per_token * size)
 
 
 def _common(post: Tensor, valid: Optional[Tensor]) -> Tuple[Tensor, int, dict]:
@@ -143,17 +155,22 @@ def scores(post: Tensor, valid: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     with record_function(KERNEL_EVENT_PREFIX + "infonce_forward"):
         _scores_kernel[(triton.cdiv(length, BLOCK), bsz * heads)](
             post, real, out, lse, *post.stride(), valid_stride, heads, length, **flags)
+    report_traffic("infonce_forward", lambda: _traffic(post, valid, 0, 2))
     return out, lse
 
 
 def gradient(post: Tensor, valid: Optional[Tensor], lse: Tensor, grad: Tensor, scale: float) -> Tensor:
-    """dL/dQ (module docstring) for g = ``grad``, a (B, N) tensor or a scalar one."""
+    """dL/dQ (module docstring) for g = ``grad``: a scalar tensor, (B, 1) per sentence, (B, N)
+    per token or (B, H, N) per head and token."""
     bsz, heads, length, clusters = post.shape
     real, valid_stride, flags = _common(post, valid)
-    grad = grad.expand(bsz, length)  # a scalar, (B, 1) per sentence, or (B, N) per token
+    if grad.dim() < 3:
+        grad = grad.expand(bsz, length).unsqueeze(1)  # stride 0 across the heads
+    grad = grad.expand(bsz, heads, length)
     out = torch.empty(bsz, heads, length, clusters, dtype=post.dtype, device=post.device)
     with record_function(KERNEL_EVENT_PREFIX + "infonce_backward"):
         _gradient_kernel[(triton.cdiv(length, BLOCK), bsz * heads)](
-            post, real, lse, grad, out, *post.stride(), valid_stride, grad.stride(0), grad.stride(1), heads, length,
+            post, real, lse, grad, out, *post.stride(), valid_stride, *grad.stride(), heads, length,
             float(scale), BLOCK_C=max(2, triton.next_power_of_2(clusters)), **flags)
+    report_traffic("infonce_backward", lambda: _traffic(post, valid, 2, clusters))
     return out

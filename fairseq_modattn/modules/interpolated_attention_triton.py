@@ -48,7 +48,7 @@ inputs), softmaxes, M and every statistic in the accumulation dtype; fp32 dots u
 only where torch's own matmuls do (``triton_support.dot_precision``).
 """
 
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -56,7 +56,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.profiler import record_function
 
-from .triton_support import KERNEL_EVENT_PREFIX, dot_precision, interpreting
+from .scalar_tensors import scalar_tensor
+from .triton_support import KERNEL_EVENT_PREFIX, KernelTraffic, dot_precision, draw_seed, interpreting, report_traffic
 
 
 class BlockConfig(NamedTuple):
@@ -162,7 +163,7 @@ def _forward_kernel(
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
     s_pqb, s_pqh, s_pqt, s_pqc, s_pkb, s_pkh, s_pkt, s_pkc,
     s_pad, s_mt, s_ms, s_ob, s_oh, s_ot, s_db, s_dh, s_dt,
-    H, T, S, gamma, scale, dropout_p, keep_scale, seed,
+    H, T, S, GAMMA, scale, dropout_p, keep_scale, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CLUSTERS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, TINY: tl.constexpr,
@@ -172,6 +173,7 @@ def _forward_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
+    gamma = tl.load(GAMMA).to(ACC)  # a 0-d tensor: a changing gamma recompiles no caller's graph
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
@@ -246,7 +248,7 @@ def _backward_query_kernel(
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
     s_pqb, s_pqh, s_pqt, s_pqc, s_pkb, s_pkh, s_pkt, s_pkc,
     s_pad, s_mt, s_ms, s_ob, s_oh, s_ot, s_db, s_dh, s_dt, s_gb, s_gh, s_gt,
-    H, T, S, gamma, scale, dropout_p, keep_scale, seed,
+    H, T, S, GAMMA, scale, dropout_p, keep_scale, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CLUSTERS: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, TINY: tl.constexpr,
@@ -258,6 +260,7 @@ def _backward_query_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
+    gamma = tl.load(GAMMA).to(ACC)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, BLOCK_C)
@@ -321,7 +324,7 @@ def _backward_key_kernel(
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
     s_pqb, s_pqh, s_pqt, s_pqc, s_pkb, s_pkh, s_pkt, s_pkc,
     s_pad, s_mt, s_ms, s_gb, s_gh, s_gt,
-    H, T, S, gamma, scale, dropout_p, keep_scale, seed,
+    H, T, S, GAMMA, scale, dropout_p, keep_scale, seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CLUSTERS: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, TINY: tl.constexpr,
@@ -333,6 +336,7 @@ def _backward_key_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
+    gamma = tl.load(GAMMA).to(ACC)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, BLOCK_C)
@@ -404,7 +408,7 @@ class _Launch(NamedTuple):
     pad_stride: int
     mask: Tensor  # (T, S) additive, or a 1-element placeholder
     mask_strides: tuple
-    gamma: float
+    gamma: Tensor  # 0-d fp32 on the inputs' device (``scalar_tensors``)
     scale: float
     dropout_p: float
     seed: int
@@ -435,7 +439,9 @@ def _prepare(q, k, v, post_q, key_padding_mask, attn_mask, causal, gamma, dropou
         UPCAST=interpreting() and q.dtype not in (torch.float32, torch.float64),
         PRECISION=dot_precision(q.dtype),
     )
-    return _Launch(heads, tgt_len, src_len, pad, pad_stride, mask, mask_strides, float(gamma),
+    if not torch.is_tensor(gamma):
+        gamma = scalar_tensor(gamma, q.device)
+    return _Launch(heads, tgt_len, src_len, pad, pad_stride, mask, mask_strides, gamma,
                    head_dim**-0.5, float(dropout_p), int(seed), flags)
 
 
@@ -448,6 +454,59 @@ def _scalars(launch: _Launch) -> tuple:
     keep_scale = 1.0 / (1.0 - launch.dropout_p)
     return (launch.heads, launch.tgt_len, launch.src_len, launch.gamma, launch.scale, launch.dropout_p, keep_scale,
             launch.seed)
+
+
+def _query_block_keys(tgt_len: int, src_len: int, block_m: int, causal: bool) -> List[Tuple[int, int]]:
+    """(queries, keys read) of each block of queries in a pass over the keys: all keys, or
+    under the causal mask those up to the block's last query (the loop's bound ``hi``)."""
+    blocks = []
+    for start in range(0, tgt_len, block_m):
+        rows = min(block_m, tgt_len - start)
+        blocks.append((rows, min(src_len, start + block_m) if causal else src_len))
+    return blocks
+
+
+def _key_block_queries(tgt_len: int, src_len: int, block_m: int, block_n: int, causal: bool) -> List[Tuple[int, int]]:
+    """(keys, queries read) of each block of keys in the pass over the queries (``lo``)."""
+    blocks = []
+    for start in range(0, src_len, block_n):
+        lo = start // block_m * block_m if causal else 0
+        blocks.append((min(block_n, src_len - start), tgt_len - lo))
+    return blocks
+
+
+def _traffic(kernel: str, q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, launch: _Launch) -> KernelTraffic:
+    """The loads, stores and dot FLOPs of one launch of ``kernel`` ("forward", "queries" or
+    "keys"), from the tiles its programs visit: a program's own rows once, the other side's rows
+    once per program that reads them."""
+    bsz, heads, tgt_len, dim = q.shape
+    src_len = k.size(2)
+    acc = 8 if q.dtype == torch.float64 else 4
+    qe, ve, clusters = q.element_size(), v.element_size(), post_q.size(-1)
+    pad = 1 if launch.flags["HAS_PAD"] else 0
+    mask = launch.mask.element_size() if launch.flags["HAS_MASK"] else 0
+    causal = launch.flags["IS_CAUSAL"]
+    key_row = dim * (k.element_size() + ve) + clusters * acc + pad  # k, v, P^k and the padding of a key
+    read = written = flops = 0
+    if kernel in ("forward", "queries"):
+        config = (FORWARD_CONFIGS if kernel == "forward" else BACKWARD_CONFIGS)[launch.flags["BLOCK_D"]]
+        own = dim * qe + clusters * acc  # q, P^q
+        if kernel == "queries":
+            own += dim * (ve + acc + qe) + 2 * acc  # out, diff, dO, lse
+        for rows, keys in _query_block_keys(tgt_len, src_len, config.block_m, causal):
+            read += rows * own + keys * key_row + rows * keys * mask
+            flops += 2 * rows * keys * dim * 3  # q k^T, and two value products (forward) or dO v^T, dS k
+        stored = dim * (ve + acc) + 2 * acc if kernel == "forward" else dim * qe + clusters * acc + 2 * acc
+        written = tgt_len * stored
+    else:
+        config = BACKWARD_CONFIGS[launch.flags["BLOCK_D"]]
+        query_row = dim * 2 * qe + clusters * acc + 4 * acc  # q, dO, P^q, lse and (r, r~)
+        for keys, queries in _key_block_queries(tgt_len, src_len, config.block_m, config.block_n, causal):
+            read += keys * key_row + queries * query_row + keys * queries * mask
+            flops += 2 * keys * queries * dim * 4  # q k^T, dO v^T, dv, dk
+        written = src_len * (dim * (k.element_size() + ve) + clusters * acc)
+    heads_total = bsz * heads
+    return KernelTraffic(read * heads_total, written * heads_total, flops * heads_total)
 
 
 def forward(q, k, v, post_q, post_k, launch: _Launch):
@@ -467,6 +526,7 @@ def forward(q, k, v, post_q, post_k, launch: _Launch):
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
             **launch.flags,
         )
+    report_traffic("interpolated_attention_forward", lambda: _traffic("forward", q, k, v, post_q, launch))
     return out, diff, lse
 
 
@@ -496,6 +556,8 @@ def backward(q, k, v, post_q, post_k, out, diff, lse, grad_out, launch: _Launch)
             q, k, v, post_q, post_k, launch.pad, launch.mask, lse, grad_out, rows, grad_k, grad_v, grad_pk,
             *common, *_strides(grad_out), *_scalars(launch), **shape,
         )
+    report_traffic("interpolated_attention_backward_queries", lambda: _traffic("queries", q, k, v, post_q, launch))
+    report_traffic("interpolated_attention_backward_keys", lambda: _traffic("keys", q, k, v, post_q, launch))
     return grad_q, grad_k, grad_v, grad_pq, grad_pk
 
 
@@ -523,19 +585,14 @@ class TritonInterpolatedAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def draw_seed() -> int:
-    """A Philox key for the attention dropout, from torch's CPU generator: no device work, and
-    reproducible after ``torch.manual_seed``."""
-    return int(torch.randint(0, 2**31 - 1, ()))
-
-
 def triton_interpolated_attention(
     q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, post_k: Tensor, key_padding_mask: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None, causal: bool = False, gamma: float = 0.5, dropout_p: float = 0.0,
-    seed: Optional[int] = None,
+    attn_mask: Optional[Tensor] = None, causal: bool = False, gamma: Union[float, Tensor] = 0.5,
+    dropout_p: float = 0.0, seed: Optional[int] = None,
 ) -> Tensor:
-    """``TritonInterpolatedAttention`` (its docstring); ``seed`` None draws one from torch's
-    CPU generator (so ``torch.manual_seed`` makes the dropout reproducible)."""
+    """``TritonInterpolatedAttention`` (its docstring); ``gamma`` a float or a 0-d fp32 tensor
+    on the inputs' device; ``seed`` None draws one from torch's CPU generator (so
+    ``torch.manual_seed`` makes the dropout reproducible)."""
     check_shapes(q, k, v, post_q, post_k)
     if causal and q.size(2) != k.size(2):
         raise ValueError(f"the causal mask needs as many queries as keys, got {q.size(2)} and {k.size(2)}")
@@ -544,7 +601,7 @@ def triton_interpolated_attention(
     if seed is None:
         seed = draw_seed() if dropout_p > 0.0 else 0
     return TritonInterpolatedAttention.apply(q, k, v, post_q, post_k, key_padding_mask, attn_mask, causal,
-                                             float(gamma), float(dropout_p), seed)
+                                             gamma, float(dropout_p), seed)
 
 
 def dropout_keep_mask(bsz: int, heads: int, tgt_len: int, src_len: int, dropout_p: float, seed: int,

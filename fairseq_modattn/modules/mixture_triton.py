@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .interpolated_attention_triton import TL_DTYPES
-from .triton_support import KERNEL_EVENT_PREFIX
+from .triton_support import KERNEL_EVENT_PREFIX, KernelTraffic, nbytes, report_traffic
 
 #: points a program takes (the (BLOCK_P, d) rows of x and z stay in registers) and its warps,
 #: by padded width (``block_shape``): at d = 64 and 128 both kernels compile for sm_80 and sm_90
@@ -209,6 +209,13 @@ def _shape_constants(point: Tensor, clusters: int) -> dict:
                 num_warps=warps)
 
 
+def _traffic(point: Tensor, streamed, parameters, stored) -> KernelTraffic:
+    """One pass over the points: each streamed (G, M, *) tensor read once, the (G, C, *)
+    parameters once per program (a program takes one group's), the results stored once."""
+    programs = triton.cdiv(point.size(1), block_shape(point.size(-1))[0])
+    return KernelTraffic(nbytes(*streamed) + programs * nbytes(*parameters), nbytes(*stored))
+
+
 def forward(x: Tensor, point: Tensor, scale: float, kl_const: float, need_kl: bool, inv_var: Tensor,
             scaled_means: Tensor, log_norm: Tensor, offset: Optional[Tensor]
             ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
@@ -228,6 +235,9 @@ def forward(x: Tensor, point: Tensor, scale: float, kl_const: float, need_kl: bo
             mean, point, *constants, off, log_joint, log_post, post, kl, terms,
             mean.stride(0), mean.stride(1), point.stride(0), point.stride(1), num_points, float(scale),
             float(kl_const), NEED_KL=need_kl, **_shape_constants(point, clusters))
+    report_traffic("gmm_forward", lambda: _traffic(
+        point, (mean, point) if need_kl else (point,), constants + [off] if need_kl else constants,
+        (log_joint, log_post, post, kl, terms) if need_kl else (log_joint, log_post, post)))
     if not need_kl:
         return log_joint, log_post, post, None, None
     return log_joint, log_post, post, kl, terms
@@ -281,4 +291,7 @@ def backward(x: Optional[Tensor], point: Tensor, scale: float, kl_shift: float, 
             WITH_KL=with_kl, HAS_GJ=grads[0] is not None, HAS_GLP=grads[1] is not None, HAS_GP=grads[2] is not None,
             HAS_A=out_a is not None, A_WITH_MEAN=a_with_mean, HAS_B=out_b is not None,
             NEED_FIRST=first is not None, NEED_SECOND=second is not None, **_shape_constants(point, clusters))
+    report_traffic("gmm_backward", lambda: _traffic(
+        point, (mean, point, read[2], read[3], *grads) if mean is not point else (point, read[2], read[3], *grads),
+        read[:2], (out_a, out_b, weight, kl_weight, first, second)))
     return (grad_x, grad_point, *(None if t is None else t.sum(0) for t in (weight, kl_weight, first, second)))

@@ -14,7 +14,7 @@ the ``triton`` backend of DMA needs it. Its kernels run
 
 import importlib.util
 import os
-from typing import Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -56,3 +56,38 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
+
+
+def draw_seed() -> int:
+    """A Philox key for the kernels' attention dropout, from torch's CPU generator: no device
+    work, and reproducible after ``torch.manual_seed``."""
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+class KernelTraffic(NamedTuple):
+    """What one launch of a kernel moves and computes, derived from its tiles: the bytes its
+    programs load (an operand that several programs read counts once per program that reads it,
+    as on a GPU without cache reuse between programs) and store, and its ``tl.dot`` FLOPs (the
+    products the matmul FLOPs of a step count; the broadcast sums over the clusters are not)."""
+
+    read: int
+    written: int
+    flops: int = 0
+
+
+#: the active counters of the kernels' traffic (``benchmarks/step_traffic.py``): each is called
+#: at every launch with the kernel's name and its ``KernelTraffic``
+TRAFFIC_COUNTERS: List[Callable[[str, KernelTraffic], None]] = []
+
+
+def report_traffic(name: str, traffic: Callable[[], KernelTraffic]):
+    """Give each active counter ``traffic()`` of one launch of ``name`` (computed only when one is)."""
+    if TRAFFIC_COUNTERS:
+        result = traffic()
+        for counter in TRAFFIC_COUNTERS:
+            counter(name, result)
+
+
+def nbytes(*tensors: Optional[Tensor]) -> int:
+    """The bytes of the given tensors' elements (None counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -331,14 +331,15 @@ def profile_dma(entry, cfg, d, device, length, top=15):
                                           for loc, ns, kernels in by_source]
 
 
-def warmed_up_samples(entries, cfg, d, device):
+def warmed_up_samples(entries, cfg, d, device, batch=None):
     """(length, batch, sample) for each of ``cfg.lengths``, every model in train mode and warmed
     up by one step at that shape (the first step at a shape may take other paths: caches,
-    allocation, compiling)."""
+    allocation, compiling); ``batch``: the sample's sentences instead of ``cfg.tokens`` worth
+    (the batch returned is still ``cfg.tokens``')."""
     gen = torch.Generator().manual_seed(cfg.seed)
     for length in cfg.lengths:
         bsz = max(cfg.tokens // length, 1)
-        sample = training_sample(length, bsz, d, gen, device)
+        sample = training_sample(length, batch or bsz, d, gen, device)
         for e in entries:
             e["model"].train()
             zero_grad(e["model"])
@@ -388,19 +389,29 @@ def traffic(entries, cfg, d, device, top=6):
     graphs are not ATen operators: a compiled or "triton" model is counted by its eager forward
     (``dma_compiled.eager_forwards``; for "triton", its kernels and the eager operators around
     them, unfused, which the compiled graph fuses further)."""
-    from step_traffic import count_traffic
+    from step_traffic import count_traffic, extrapolate
 
     from fairseq_modattn.modules import dma_compiled
 
+    def counts(sample):
+        counted = {}
+        for e in entries:
+            zero_grad(e["model"])
+            counted[e["name"]] = count_traffic(lambda: train_step(e, sample))  # noqa: B023
+            zero_grad(e["model"])
+        return counted
+
     emulating = device.type != "cuda"
     rows = []
+    small = cfg.traffic_sentences
     with device_paths.emulate("cuda") if emulating else contextlib.nullcontext(), dma_compiled.eager_forwards():
-        for length, bsz, sample in warmed_up_samples(entries, cfg, d, device):
-            counted = {}
-            for e in entries:
-                zero_grad(e["model"])
-                counted[e["name"]] = count_traffic(lambda: train_step(e, sample))  # noqa: B023
-                zero_grad(e["model"])
+        for length, bsz, sample in warmed_up_samples(entries, cfg, d, device, batch=small and small[0]):
+            if small:  # two small batches, extrapolated to the bench's (step_traffic.extrapolate)
+                gen = torch.Generator().manual_seed(cfg.seed)
+                first, second = (counts(training_sample(length, n, d, gen, device)) for n in small)
+                counted = {name: extrapolate(first[name], second[name], *small, bsz) for name in first}
+            else:
+                counted = counts(sample)
             t, m = counted["transformer"], counted["dma"]
             movers = sorted(m.by_op.items(), key=lambda kv: -kv[1])[:top]
             row = {"length": length, "batch": bsz, "transformer_gflops": t.flops / 1e9, "dma_gflops": m.flops / 1e9,
@@ -528,6 +539,10 @@ def get_parser():
                         "(benchmarks/step_traffic.py: each operator alone, the Triton kernels' own loads and stores "
                         f"from their tiles) and print the ratio; the target is <= {TRAFFIC_TARGET[1]} x at "
                         f"L = {TRAFFIC_TARGET[0]}")
+    p.add_argument("--traffic-sentences", type=int, nargs=2, default=None, metavar=("S1", "S2"),
+                   help="--traffic: count steps of S1 and S2 sentences and extrapolate linearly to --tokens' batch "
+                        "(exact: at a fixed length a step's bytes are a constant plus a multiple of the batch); for "
+                        "--dma-backend triton under TRITON_INTERPRET=1, whose kernels are too slow at full size")
     p.add_argument("--host-cost", action="store_true",
                    help="also time the host's side of a training step (Python, dispatch, autograd): both models "
                         f"at width {HOST_COST_WIDTH}, on the CPU with one thread and the CUDA path emulated, so "

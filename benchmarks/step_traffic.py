@@ -98,3 +98,17 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
     finally:
         triton_support.TRAFFIC_COUNTERS.remove(kernel)
     return Traffic(flop_counter.get_total_flops() + kernel_flops[0], sum(totals.values()), dict(totals))
+
+
+def extrapolate(first: Traffic, second: Traffic, first_batch: int, second_batch: int, batch: int) -> Traffic:
+    """The traffic of a step of ``batch`` sentences from counts at two other batch sizes of the
+    same sentence length: at a fixed length every operator's bytes and FLOPs are a constant (the
+    parameters, their gradients) plus a multiple of the batch (every activation, the T x S
+    tables per sentence included), so two counts fix the line. For kernels that run too slowly
+    to count at full size (Triton's interpreter)."""
+    def at(a: float, b: float) -> float:
+        return a + (b - a) * (batch - first_batch) / (second_batch - first_batch)
+
+    names = set(first.by_op) | set(second.by_op)
+    return Traffic(round(at(first.flops, second.flops)), round(at(first.bytes, second.bytes)),
+                   {n: round(at(first.by_op.get(n, 0), second.by_op.get(n, 0))) for n in names})

@@ -114,3 +114,21 @@ def test_the_critic_reads_each_token_once_a_query_block(step_traffic):
     kernels, _ = kernel_traffic(step_traffic, lambda: infonce_triton.scores(post, valid))
     reads = 1 + 2  # as a query, and as a key for each of the 2 query blocks
     assert kernels == {"infonce_forward": bsz * heads * length * ((clusters * 4 + 1) * reads + 2 * 4)}
+
+
+def test_counts_at_two_batches_extrapolate_to_a_third_exactly(step_traffic):
+    weight = torch.ones(16, 16)
+
+    def step(batch):
+        x = torch.ones(batch, 8, 16)
+
+        def work():  # the weight's bytes are the constant, the rest grows with the batch
+            scores = torch.softmax(x @ weight @ x.transpose(1, 2), -1)  # a T x T table per sentence
+            return (scores @ x).sum()
+
+        return work
+
+    direct = step_traffic.count_traffic(step(32))
+    assert direct.flops > 0 and direct.bytes > 0
+    extrapolated = step_traffic.extrapolate(*(step_traffic.count_traffic(step(n)) for n in (2, 5)), 2, 5, 32)
+    assert extrapolated == direct

@@ -48,6 +48,7 @@ inputs), softmaxes, M and every statistic in the accumulation dtype; fp32 dots u
 only where torch's own matmuls do (``triton_support.dot_precision``).
 """
 
+import functools
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -419,16 +420,22 @@ def _strides(t: Tensor, axes: int = 3) -> tuple:
     return tuple(t.stride()[:axes])
 
 
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A one-element tensor to pass where a mask is absent: a pointer the kernels never read,
+    made once per device and dtype rather than at every launch (each allocation a launch)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
 def _prepare(q, k, v, post_q, key_padding_mask, attn_mask, causal, gamma, dropout_p, seed) -> _Launch:
     bsz, heads, tgt_len, head_dim = q.shape
     src_len = k.size(2)
     acc = torch.promote_types(torch.float32, q.dtype)
-    placeholder = q.new_zeros(1, dtype=torch.uint8)
-    pad, pad_stride = placeholder, 0
+    pad, pad_stride = _placeholder(q.device, torch.uint8), 0
     if key_padding_mask is not None:
         pad = key_padding_mask.to(torch.uint8) if key_padding_mask.dtype == torch.bool else key_padding_mask
         pad_stride = pad.stride(0)
-    mask, mask_strides = q.new_zeros(1, dtype=acc), (0, 0)
+    mask, mask_strides = _placeholder(q.device, acc), (0, 0)
     if attn_mask is not None:
         mask, mask_strides = attn_mask, tuple(attn_mask.stride())
     flags = dict(

@@ -82,6 +82,8 @@ def _attention_context(ctx, inputs, output):
     q, k, v, post_q, post_k, key_padding, attn_mask, causal, gamma, dropout_p, seed = inputs
     ctx.save_for_backward(q, k, v, post_q, post_k, key_padding, attn_mask, *output, gamma, seed)
     ctx.causal, ctx.dropout_p = causal, dropout_p
+    # backward's own inputs: no gradient to make (autograd would fill zeros for each, a launch)
+    ctx.mark_non_differentiable(*output[1:])
 
 
 def _attention_gradient(ctx, grad_out, _grad_diff, _grad_lse):
@@ -120,6 +122,7 @@ def _(post, valid, lse, grad):
 def _infonce_context(ctx, inputs, output):
     post, valid = inputs
     ctx.save_for_backward(post, valid, output[1])
+    ctx.mark_non_differentiable(output[1])
 
 
 def _infonce_backward(ctx, grad_scores, _grad_lse):

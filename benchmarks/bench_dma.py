@@ -542,7 +542,9 @@ def get_parser():
     p.add_argument("--traffic-sentences", type=int, nargs=2, default=None, metavar=("S1", "S2"),
                    help="--traffic: count steps of S1 and S2 sentences and extrapolate linearly to --tokens' batch "
                         "(exact: at a fixed length a step's bytes are a constant plus a multiple of the batch); for "
-                        "--dma-backend triton under TRITON_INTERPRET=1, whose kernels are too slow at full size")
+                        "--dma-backend triton under TRITON_INTERPRET=1, whose kernels are too slow at full size. "
+                        "2 <= S1 < S2: a batch of one sentence takes other paths (at L = 128, 1 and 2 sentences "
+                        "extrapolate the transformer's 21.74 GB to 23.17 GB)")
     p.add_argument("--host-cost", action="store_true",
                    help="also time the host's side of a training step (Python, dispatch, autograd): both models "
                         f"at width {HOST_COST_WIDTH}, on the CPU with one thread and the CUDA path emulated, so "
@@ -554,6 +556,8 @@ def get_parser():
 
 def main(argv=None):
     cfg = get_parser().parse_args(argv)
+    if cfg.traffic_sentences and not 2 <= cfg.traffic_sentences[0] < cfg.traffic_sentences[1]:
+        raise SystemExit(f"bench_dma: --traffic-sentences needs 2 <= S1 < S2, got {cfg.traffic_sentences}")
     device = prepare_run(cfg, argv, QUICK, QUICK_MODEL_ARGS)
     if cfg.width is not None:  # fairseq takes the last of repeated flags: these override --quick's
         widths = [str(cfg.width), str(2 * cfg.width)]

@@ -120,8 +120,9 @@ def compile_variant(variant: Variant, override=None) -> Report:
     names = {"x": _TYPE_NAMES[variant.dtype], "a": "fp32", "u8": "u8"}
     block_c = max(2, triton.next_power_of_2(variant.clusters))
     if variant.kernel.startswith("infonce"):
+        warps = infonce_triton.WARPS["gradient" if variant.kernel == "infonce_backward" else "scores"]
         config = override if override is not None else attention.BlockConfig(infonce_triton.BLOCK,
-                                                                             infonce_triton.BLOCK, 4, 2)
+                                                                             infonce_triton.BLOCK, warps, 2)
         constants = dict(CLUSTERS=variant.clusters, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                          HAS_VALID=True, PADDED=-1e4, ACC=tl.float32)
         if variant.kernel == "infonce_backward":

@@ -30,6 +30,9 @@ from .interpolated_attention_triton import TL_DTYPES, _semantic_mask
 from .triton_support import KERNEL_EVENT_PREFIX, KernelTraffic, report_traffic
 
 BLOCK = 32
+#: warps of each kernel's programs: the gradient kernel spilled 40 bytes of registers on sm_90
+#: with 4 (benchmarks/triton_compile.py, fp32, C = 8), none with 8
+WARPS = {"scores": 4, "gradient": 8}
 
 
 def available(post: Tensor) -> bool:
@@ -154,7 +157,7 @@ def scores(post: Tensor, valid: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     lse = post.new_empty(bsz, heads, length)
     with record_function(KERNEL_EVENT_PREFIX + "infonce_forward"):
         _scores_kernel[(triton.cdiv(length, BLOCK), bsz * heads)](
-            post, real, out, lse, *post.stride(), valid_stride, heads, length, **flags)
+            post, real, out, lse, *post.stride(), valid_stride, heads, length, num_warps=WARPS["scores"], **flags)
     report_traffic("infonce_forward", lambda: _traffic(post, valid, 0, 2))
     return out, lse
 
@@ -171,6 +174,6 @@ def gradient(post: Tensor, valid: Optional[Tensor], lse: Tensor, grad: Tensor, s
     with record_function(KERNEL_EVENT_PREFIX + "infonce_backward"):
         _gradient_kernel[(triton.cdiv(length, BLOCK), bsz * heads)](
             post, real, lse, grad, out, *post.stride(), valid_stride, *grad.stride(), heads, length,
-            float(scale), BLOCK_C=max(2, triton.next_power_of_2(clusters)), **flags)
+            float(scale), BLOCK_C=max(2, triton.next_power_of_2(clusters)), num_warps=WARPS["gradient"], **flags)
     report_traffic("infonce_backward", lambda: _traffic(post, valid, 2, clusters))
     return out

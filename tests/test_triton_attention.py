@@ -42,7 +42,7 @@ if sys.platform != "linux":
 import fairseq_modattn  # noqa: E402,F401  (registers the plugin)
 from attention_helpers import causal_mask  # noqa: E402
 from fairseq_modattn.modules import (  # noqa: E402
-    dma_compiled,  # noqa: E402
+    dma_compiled,
     interpolated_attention,
     interpolated_attention_triton,
 )

@@ -453,9 +453,9 @@ def _compiled_math(cfg: MathConfig):
 
 def applies(module, query: Tensor, key: Optional[Tensor], incremental_state, attn_mask: Optional[Tensor],
             before_softmax: bool) -> bool:
-    """Whether this forward of ``module`` (a DisentangledMaskAttention with ``compile_math``) takes
-    the compiled path (module docstring): training, no incremental state, fairseq's masks, and a
-    mask or regularisers to compute."""
+    """Whether this forward of ``module`` (a DisentangledMaskAttention with backend "compile" or
+    "triton") takes the compiled path (module docstring): training, no incremental state,
+    fairseq's masks, and a mask or regularisers to compute."""
     if _State.failed or _State.eager or not module.training or incremental_state is not None or before_softmax:
         return False
     if not (module.collect_aux or module.gamma != 0.0):

@@ -385,18 +385,19 @@ TRAFFIC_TARGET = (128, 1.3)
 def traffic(entries, cfg, d, device, top=6):
     """Per length: the matmul FLOPs and the bytes of one training step of each model
     (``step_traffic.py``: each operator alone, the Triton kernels' loads and stores from their
-    tiles), the CUDA code path as ``count_ops`` takes it, and their ratios. DMA's compiled
-    graphs are not ATen operators: a compiled or "triton" model is counted by its eager forward
-    (``dma_compiled.eager_forwards``; for "triton", its kernels and the eager operators around
-    them, unfused, which the compiled graph fuses further)."""
-    from step_traffic import count_traffic, extrapolate
+    tiles, a compiled graph's generated kernels as inductor counts them), the CUDA code path as
+    ``count_ops`` takes it, and their ratios. A compiled or "triton" DMA model's graphs are
+    compiled again at each counted step's shapes (``step_traffic.compiled_graph_counting``)."""
+    from step_traffic import compiled_graph_counting, count_traffic, extrapolate
 
-    from fairseq_modattn.modules import dma_compiled
+    compiled = cfg.compile or cfg.dma_backend == "triton"
 
     def counts(sample):
         counted = {}
         for e in entries:
             zero_grad(e["model"])
+            if compiled and e["name"] == "dma":
+                recompile()  # inductor counts the graph at the sizes it compiles it for
             counted[e["name"]] = count_traffic(lambda: train_step(e, sample))  # noqa: B023
             zero_grad(e["model"])
         return counted
@@ -404,7 +405,8 @@ def traffic(entries, cfg, d, device, top=6):
     emulating = device.type != "cuda"
     rows = []
     small = cfg.traffic_sentences
-    with device_paths.emulate("cuda") if emulating else contextlib.nullcontext(), dma_compiled.eager_forwards():
+    with device_paths.emulate("cuda") if emulating else contextlib.nullcontext(), \
+            compiled_graph_counting() if compiled else contextlib.nullcontext() as recompile:
         for length, bsz, sample in warmed_up_samples(entries, cfg, d, device, batch=small and small[0]):
             if small:  # two small batches, extrapolated to the bench's (step_traffic.extrapolate)
                 gen = torch.Generator().manual_seed(cfg.seed)
@@ -537,7 +539,8 @@ def get_parser():
     p.add_argument("--traffic", action="store_true",
                    help="also count the matmul FLOPs and the bytes of one training step per model and length "
                         "(benchmarks/step_traffic.py: each operator alone, the Triton kernels' own loads and stores "
-                        f"from their tiles) and print the ratio; the target is <= {TRAFFIC_TARGET[1]} x at "
+                        "from their tiles, a compiled graph's generated kernels as inductor counts them) and print "
+                        f"the ratio; the target is <= {TRAFFIC_TARGET[1]} x at "
                         f"L = {TRAFFIC_TARGET[0]}")
     p.add_argument("--traffic-sentences", type=int, nargs=2, default=None, metavar=("S1", "S2"),
                    help="--traffic: count steps of S1 and S2 sentences and extrapolate linearly to --tokens' batch "

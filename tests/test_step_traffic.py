@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from test_dma_compiled import needs_cxx
 
 if sys.platform != "linux":
     pytest.importorskip("triton", reason="triton ships wheels for Linux only")
@@ -132,3 +133,27 @@ def test_counts_at_two_batches_extrapolate_to_a_third_exactly(step_traffic):
     assert direct.flops > 0 and direct.bytes > 0
     extrapolated = step_traffic.extrapolate(*(step_traffic.count_traffic(step(n)) for n in (2, 5)), 2, 5, 32)
     assert extrapolated == direct
+
+
+@needs_cxx
+def test_a_compiled_graph_reports_its_generated_kernels_and_the_operators_it_calls(step_traffic):
+    a, b = torch.randn(6, 5), torch.randn(5, 7)
+
+    def f(a, b):
+        return torch.relu(a @ b) * 2.0 + 1.0
+
+    with step_traffic.compiled_graph_counting():
+        compiled = torch.compile(f, backend=step_traffic.counting_inductor, dynamic=False)
+        compiled(a, b)  # compiles
+        counted = step_traffic.count_traffic(lambda: compiled(a, b))
+        # run compiled under the counter, not eagerly: the mm is called with an out= argument
+        # (written, not read) and the rest is one generated kernel (reads the product, writes the result)
+        assert counted.by_op == {"aten::mm": 4 * (30 + 35 + 42), "inductor::generated_forward": 4 * (42 + 42)}
+        assert counted.flops == 2 * 6 * 5 * 7
+
+        a.requires_grad_()
+        compiled(a, b).sum().backward()
+        counted = step_traffic.count_traffic(lambda: compiled(a, b).sum().backward())
+        assert set(counted.by_op) >= {"inductor::generated_forward", "inductor::generated_backward"}
+        assert counted.flops == 2 * 2 * 6 * 5 * 7  # the forward product and a's gradient
+    assert step_traffic.GRAPH_COUNTERS == []

@@ -86,6 +86,34 @@ def test_gradcheck_through_the_gmm_in_fp64():
     assert torch.autograd.gradcheck(statistics, inputs, fast_mode=True, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("need_kl", [True, False])
+@pytest.mark.parametrize("head_major", [True, False])
+def test_the_graph_operator_passes_gradcheck_in_fp64(need_kl, head_major):
+    # ``triton_ops.mixture_statistics``, as ``dma_compiled`` calls it: the points a view of
+    # (tokens, heads, d) activations (head_major: a contiguous (G, M, d) block) sampled at
+    # z = x + 0.5 eps, and the mixtures' constants as free inputs; 37 points are two blocks
+    from fairseq_modattn.modules import triton_ops  # noqa: F401 - registers the operators
+
+    torch.manual_seed(4)
+    groups, points, dim, clusters = 2, 37, 16, 3
+    shape = (groups, points, dim) if head_major else (points, groups, dim)
+    x = torch.randn(shape, dtype=torch.float64)
+    eps = torch.randn(shape, dtype=torch.float64)
+    if not head_major:
+        x, eps = x.transpose(0, 1), eps.transpose(0, 1)
+    inv_var = torch.rand(groups, clusters, dim, dtype=torch.float64) + 0.5
+    scaled_means = torch.randn(groups, clusters, dim, dtype=torch.float64)
+    log_norm, offset = (torch.randn(groups, clusters, dtype=torch.float64) for _ in range(2))
+
+    def statistics(x, inv_var, scaled_means, log_norm, offset):
+        out = torch.ops.fairseq_modattn_ops.mixture_statistics(
+            x, x + 0.5 * eps, inv_var, scaled_means, log_norm, offset, 1.7, need_kl)
+        return out[:4] if need_kl else out[:3]
+
+    inputs = tuple(t.requires_grad_() for t in (x, inv_var, scaled_means, log_norm, offset))
+    assert torch.autograd.gradcheck(statistics, inputs, fast_mode=True, atol=1e-8, rtol=1e-6)
+
+
 def test_which_points_take_the_kernels():
     points = torch.randn(2, 10, 8)
     assert mixture_triton.available(points, 4) and mixture_triton.available(points.double(), 16)

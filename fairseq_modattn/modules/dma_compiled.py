@@ -33,9 +33,10 @@ sample, CLUB's negatives) are made in the eager module's order and shapes, so th
 and the eager forward see the same numbers from the same seed; attention dropout, if any, is
 drawn inside the graph (``torch.rand`` on the mixed weights, as the fused CPU kernel does).
 
-With ``MathConfig.kernels`` (``--dma-backend triton``) the attention and L_Dxq's critic are
-Triton kernels called as operators (``triton_ops``): one pass over the keys each way, nothing
-T x S, no checkpointing needed; inductor fuses everything else around them. A forward asked
+With ``MathConfig.kernels`` (``--dma-backend triton``) the attention, the GMMs' passes over
+their points and L_Dxq's critic are Triton kernels called as operators (``triton_ops``): one
+pass over the keys (or the points) each way, nothing T x S and nothing points x C x d, no
+checkpointing needed; inductor fuses everything else around them. A forward asked
 for its weights keeps the matmul attention (the kernels build none).
 
 Which forwards take the compiled path (``applies``): training forwards without incremental
@@ -117,15 +118,33 @@ def _split(x: Tensor, heads: int, dim: int) -> Tensor:
     return x.view(x.size(0), x.size(1), heads, dim)
 
 
+def _grouped(t: Tensor, groups: int, head_axis: int) -> Tensor:
+    """Points (..., d) with the H heads on ``head_axis`` as the (G, M, d) points of G = H
+    mixtures (head-major) or of one: a view where the layout allows."""
+    if groups == 1:
+        return t.reshape(1, -1, t.size(-1))
+    return t.movedim(head_axis, 0).reshape(groups, -1, t.size(-1))
+
+
+def _ungrouped(r: Tensor, points_shape: torch.Size, groups: int, head_axis: int) -> Tensor:
+    """The (G, M, *) results of ``_grouped`` points back in the points' (..., *) order (a view)."""
+    lead, tail = list(points_shape[:-1]), list(r.shape[2:])
+    if groups == 1:
+        return r.view(*lead, *tail)
+    moved = [lead[head_axis]] + lead[:head_axis] + lead[head_axis + 1:]
+    return r.view(*moved, *tail).movedim(0, head_axis)
+
+
 def mixture_statistics(
     x: Tensor, z: Optional[Tensor], logits: Tensor, means: Tensor, log_vars: Tensor, cfg: MathConfig,
-    need_kl: bool,
+    need_kl: bool, head_axis: int,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """J, LP, P (N, B, H, C) and the VaDE KL (N, B, H) of points x (N, B, H, d) sampled at
-    z = x + s eps (None: at x), under the mixtures (G, C[, d]) with G = H or 1 (module docstring;
-    the same equations as ``gmm._MixtureStatistics``, whose backward autograd derives here).
-    The caller computes the sample: where the attention reads it too, one tensor serves both, so
-    that backward needs it and x, and not the noise as well."""
+    """J, LP, P (..., C) and the VaDE KL (...) of points x (..., d), the H heads on ``head_axis``,
+    sampled at z = x + s eps (None: at x), under the mixtures (G, C[, d]) with G = H or 1 (module
+    docstring; the same equations as ``gmm._MixtureStatistics``, whose backward autograd derives
+    here). The caller computes the sample: where the attention reads it too, one tensor serves
+    both, so that backward needs it and x, and not the noise as well. With ``cfg.kernels`` the
+    passes over the points are ``mixture_triton``'s kernels (``triton_ops.mixture_statistics``)."""
     s, dim = cfg.noise_scale, cfg.head_dim
     dtype = x.dtype
     logits, means, log_vars = logits.to(dtype), means.to(dtype), log_vars.to(dtype)
@@ -137,6 +156,16 @@ def mixture_statistics(
     log_norm = torch.log_softmax(logits, -1) - 0.5 * (
         log_vars.sum(-1) + (means * scaled_means).sum(-1) + dim * LOG_2PI
     )  # log N_c, (G, C)
+    if cfg.kernels and _gmm_kernels_take(x, logits.size(-1)):
+        groups = logits.size(0)
+        kl_const = 0.5 * dim * (LOG_2PI + 1.0 + math.log(s * s))
+        offset = log_norm - 0.5 * s * s * inv_var.sum(-1)  # T's constant (gmm.mixture_statistics)
+        points = _grouped(x, groups, head_axis)
+        results = torch.ops.fairseq_modattn_ops.mixture_statistics(
+            points, points if z is None else _grouped(z, groups, head_axis), inv_var, scaled_means, log_norm, offset,
+            kl_const, need_kl)
+        log_joint, log_post, post = (_ungrouped(r, x.shape, groups, head_axis) for r in results[:3])
+        return log_joint, log_post, post, _ungrouped(results[3], x.shape, groups, head_axis) if need_kl else None
     zc = (x if z is None else z).unsqueeze(-2)  # (N, B, H, 1, d) against the (G, C, d) parameters
     log_joint = (zc * (scaled_means - 0.5 * zc * inv_var)).sum(-1) + log_norm
     log_post = torch.log_softmax(log_joint, -1)
@@ -150,6 +179,13 @@ def mixture_statistics(
         ) + log_post
         kl = (post * terms).sum(-1) - 0.5 * dim * (LOG_2PI + 1.0 + math.log(s * s))
     return log_joint, log_post, post, kl
+
+
+def _gmm_kernels_take(x: Tensor, clusters: int) -> bool:
+    """Whether ``mixture_triton``'s kernels take points like x (fp32 or fp64, C <= 16)."""
+    from . import mixture_triton
+
+    return x.dtype in (torch.float32, torch.float64) and clusters <= mixture_triton.MAX_CLUSTERS
 
 
 def _token_mean(values: Tensor, valid: Tensor, per_sentence: bool) -> Tensor:
@@ -333,7 +369,7 @@ def dma_math(
     for (x, noise), projected in zip(sides, (q_input, k_input)):
         x_heads = _split(x, heads, dim).to(dtype)
         z = _split(projected, heads, dim).to(dtype) if cfg.sample_attention else x_heads + s * noise.to(dtype)
-        stats.append(mixture_statistics(x_heads, z, *token_gmm, cfg, cfg.need_aux))
+        stats.append(mixture_statistics(x_heads, z, *token_gmm, cfg, cfg.need_aux, head_axis=2))
     q_stats, k_stats = stats[0], stats[-1]
 
     def heads_first(t: Tensor) -> Tensor:  # (N, B, H, *) -> (B, H, N, *)
@@ -355,7 +391,7 @@ def dma_math(
         query_valid = key_valid if cfg.self_attention else ~query_padding
         u = query_gmm_space(q)
         z_q = None if query_noise is None else query_gmm_space(sampled_q)
-        log_joint, log_post, query_post, query_kl = mixture_statistics(u, z_q, *query_gmm, cfg, True)
+        log_joint, log_post, query_post, query_kl = mixture_statistics(u, z_q, *query_gmm, cfg, True, head_axis=1)
         token_post = heads_first(q_stats[2])
         kl = _token_mean(heads_first(q_stats[3]), query_valid, cfg.per_sentence)
         div = diversity_penalty(token_post, query_valid, cfg.div_form, cfg.per_sentence)

@@ -246,9 +246,11 @@ def forward(x: Tensor, point: Tensor, scale: float, kl_const: float, need_kl: bo
 def backward(x: Optional[Tensor], point: Tensor, scale: float, kl_shift: float, inv_var: Tensor,
              scaled_means: Tensor, post: Tensor, terms: Optional[Tensor], grad_joint: Optional[Tensor],
              grad_log_post: Optional[Tensor], grad_post: Optional[Tensor], grad_kl: Optional[Tensor],
-             need_x: bool, need_point: bool, need_first: bool, need_second: bool):
+             need_x: bool, need_point: bool, need_first: bool, need_second: bool, sum_blocks: bool = True):
     """``native_mixture.backward`` by the Triton kernel: (grad_x, grad_point, weight, kl_weight,
-    first, second), each None where not asked for or zero by construction."""
+    first, second), each None where not asked for or zero by construction; without
+    ``sum_blocks`` the last four are each block's sums, (blocks, G, C[, d]), for the caller to
+    add up (a compiled graph fuses that sum with its use)."""
     groups, num_points, dim = point.shape
     clusters = inv_var.size(1)
     with_kl = grad_kl is not None and terms is not None
@@ -294,4 +296,5 @@ def backward(x: Optional[Tensor], point: Tensor, scale: float, kl_shift: float, 
     report_traffic("gmm_backward", lambda: _traffic(
         point, (mean, point, read[2], read[3], *grads) if mean is not point else (point, read[2], read[3], *grads),
         read[:2], (out_a, out_b, weight, kl_weight, first, second)))
-    return (grad_x, grad_point, *(None if t is None else t.sum(0) for t in (weight, kl_weight, first, second)))
+    sums = (weight, kl_weight, first, second)
+    return (grad_x, grad_point, *(t if t is None or not sum_blocks else t.sum(0) for t in sums))

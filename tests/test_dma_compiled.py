@@ -463,17 +463,22 @@ def test_restated_math_under_bf16_autocast(backend, kind, torch_device):
 
 # ----------------------------------------------------------------------------- inductor's gradients
 @needs_inductor
-def test_inductor_gradients_of_the_query_gmm(torch_device):
+@pytest.mark.parametrize("kernels", [False, True])
+def test_inductor_gradients_of_the_query_gmm(kernels, torch_device):
     """A fast guard on the spot where inductor once returned wrong parameter gradients for this
     code (relative errors 0.75-2.7 on the query GMM, an earlier formulation; not reproduced on
     torch 2.13, neither with the eager ``DiagonalGMM`` nor with this one): the query GMM's
-    statistics, one mixture shared by the heads (G = 1) with c_grad, sampled, compiled alone."""
+    statistics, one mixture shared by the heads (G = 1) with c_grad, sampled, compiled alone;
+    with ``kernels`` ("triton" backend) its backward is ``mixture_triton``'s kernel."""
     require_inductor(torch_device)
+    if kernels:
+        pytest.importorskip("triton")
+        from fairseq_modattn.modules import triton_ops  # noqa: F401 - registers the kernels' operators
     torch.manual_seed(0)
     cfg = dma_compiled.MathConfig(num_heads=4, head_dim=16, self_attention=True, noise_scale=0.1 ** 0.5,
                                   centroid_grad_mult=10.0, query_gmm_scale=0.25, sample_attention=True,
                                   qq_form="bounded", div_form="entrywise", per_sentence=True, need_aux=True,
-                                  dropout=0.0, weights="none")
+                                  dropout=0.0, weights="none", kernels=kernels)
 
     def leaf(t):  # drawn on the CPU, so that every device gets the same numbers
         return t.to(torch_device).requires_grad_()
@@ -487,7 +492,8 @@ def test_inductor_gradients_of_the_query_gmm(torch_device):
     weights = [t.to(torch_device) for t in [torch.randn(3, 4, 13, 8) for _ in range(3)] + [torch.randn(3, 4, 13)]]
 
     def loss(u, logits, means, log_vars):
-        stats = dma_compiled.mixture_statistics(u, u + cfg.noise_scale * eps, logits, means, log_vars, cfg, True)
+        stats = dma_compiled.mixture_statistics(u, u + cfg.noise_scale * eps, logits, means, log_vars, cfg, True,
+                                                head_axis=1)
         return sum((s * w).sum() for s, w in zip(stats, weights))
 
     def gradients(fn):

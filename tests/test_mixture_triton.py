@@ -87,28 +87,27 @@ def test_gradcheck_through_the_gmm_in_fp64():
 
 
 @pytest.mark.parametrize("need_kl", [True, False])
-@pytest.mark.parametrize("head_major", [True, False])
-def test_the_graph_operator_passes_gradcheck_in_fp64(need_kl, head_major):
-    # ``triton_ops.mixture_statistics``, as ``dma_compiled`` calls it: the points a view of
-    # (tokens, heads, d) activations (head_major: a contiguous (G, M, d) block) sampled at
-    # z = x + 0.5 eps, and the mixtures' constants as free inputs; 37 points are two blocks
-    from fairseq_modattn.modules import triton_ops  # noqa: F401 - registers the operators
+@pytest.mark.parametrize("groups", [3, 1])
+def test_the_graphs_gmm_backward_passes_gradcheck_in_fp64(need_kl, groups):
+    # ``dma_compiled._MixtureKernelBackward``, the "triton" backend's GMM in its graph: the
+    # forward's broadcast products, the kernel's backward from the kernel's per-block sums, for
+    # points (tokens, sentences, heads, d) sampled at z = x + 0.5 eps, per-head mixtures (G = H,
+    # the points taken head by head) or one shared one; the mixtures' constants as free inputs;
+    # 13 x 3 points are two blocks of 32
+    from fairseq_modattn.modules import dma_compiled, triton_ops  # noqa: F401 - registers the operators
 
     torch.manual_seed(4)
-    groups, points, dim, clusters = 2, 37, 16, 3
-    shape = (groups, points, dim) if head_major else (points, groups, dim)
-    x = torch.randn(shape, dtype=torch.float64)
-    eps = torch.randn(shape, dtype=torch.float64)
-    if not head_major:
-        x, eps = x.transpose(0, 1), eps.transpose(0, 1)
+    heads, dim, clusters = 3, 16, 3
+    x = torch.randn(13, 3, heads, dim, dtype=torch.float64)
+    eps = torch.randn(x.shape, dtype=torch.float64)
     inv_var = torch.rand(groups, clusters, dim, dtype=torch.float64) + 0.5
     scaled_means = torch.randn(groups, clusters, dim, dtype=torch.float64)
     log_norm, offset = (torch.randn(groups, clusters, dtype=torch.float64) for _ in range(2))
 
     def statistics(x, inv_var, scaled_means, log_norm, offset):
-        out = torch.ops.fairseq_modattn_ops.mixture_statistics(
-            x, x + 0.5 * eps, inv_var, scaled_means, log_norm, offset, 1.7, need_kl)
-        return out[:4] if need_kl else out[:3]
+        out = dma_compiled._MixtureKernelBackward.apply(
+            x, x + 0.5 * eps, inv_var, scaled_means, log_norm, offset, 1.7, need_kl, 2)
+        return out if need_kl else out[:3]
 
     inputs = tuple(t.requires_grad_() for t in (x, inv_var, scaled_means, log_norm, offset))
     assert torch.autograd.gradcheck(statistics, inputs, fast_mode=True, atol=1e-8, rtol=1e-6)

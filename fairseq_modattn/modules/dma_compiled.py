@@ -33,10 +33,10 @@ sample, CLUB's negatives) are made in the eager module's order and shapes, so th
 and the eager forward see the same numbers from the same seed; attention dropout, if any, is
 drawn inside the graph (``torch.rand`` on the mixed weights, as the fused CPU kernel does).
 
-With ``MathConfig.kernels`` (``--dma-backend triton``) the attention, the GMMs' passes over
-their points and L_Dxq's critic are Triton kernels called as operators (``triton_ops``): one
-pass over the keys (or the points) each way, nothing T x S and nothing points x C x d, no
-checkpointing needed; inductor fuses everything else around them. A forward asked
+With ``MathConfig.kernels`` (``--dma-backend triton``) the attention and L_Dxq's critic are
+Triton kernels called as operators (``triton_ops``): one pass over the keys each way, nothing
+T x S, no checkpointing needed; the GMMs' backward is one pass over the points by
+``mixture_triton``'s kernel (nothing points x C x d); inductor fuses everything else around them. A forward asked
 for its weights keeps the matmul attention (the kernels build none).
 
 Which forwards take the compiled path (``applies``): training forwards without incremental
@@ -144,7 +144,7 @@ def mixture_statistics(
     docstring; the same equations as ``gmm._MixtureStatistics``, whose backward autograd derives
     here). The caller computes the sample: where the attention reads it too, one tensor serves
     both, so that backward needs it and x, and not the noise as well. With ``cfg.kernels`` the
-    passes over the points are ``mixture_triton``'s kernels (``triton_ops.mixture_statistics``)."""
+    backward's pass over the points is ``mixture_triton``'s kernel (``_MixtureKernelBackward``)."""
     s, dim = cfg.noise_scale, cfg.head_dim
     dtype = x.dtype
     logits, means, log_vars = logits.to(dtype), means.to(dtype), log_vars.to(dtype)
@@ -156,29 +156,83 @@ def mixture_statistics(
     log_norm = torch.log_softmax(logits, -1) - 0.5 * (
         log_vars.sum(-1) + (means * scaled_means).sum(-1) + dim * LOG_2PI
     )  # log N_c, (G, C)
+    kl_const = 0.5 * dim * (LOG_2PI + 1.0 + math.log(s * s))
+    # T's constant: T = -offset + sum_d x_d (x_d sigma^-2 / 2 - mu sigma^-2) + LP (gmm.mixture_statistics)
+    offset = log_norm - 0.5 * s * s * inv_var.sum(-1)
     if cfg.kernels and _gmm_kernels_take(x, logits.size(-1)):
-        groups = logits.size(0)
-        kl_const = 0.5 * dim * (LOG_2PI + 1.0 + math.log(s * s))
-        offset = log_norm - 0.5 * s * s * inv_var.sum(-1)  # T's constant (gmm.mixture_statistics)
-        points = _grouped(x, groups, head_axis)
-        results = torch.ops.fairseq_modattn_ops.mixture_statistics(
-            points, points if z is None else _grouped(z, groups, head_axis), inv_var, scaled_means, log_norm, offset,
-            kl_const, need_kl)
-        log_joint, log_post, post = (_ungrouped(r, x.shape, groups, head_axis) for r in results[:3])
-        return log_joint, log_post, post, _ungrouped(results[3], x.shape, groups, head_axis) if need_kl else None
-    zc = (x if z is None else z).unsqueeze(-2)  # (N, B, H, 1, d) against the (G, C, d) parameters
+        # (z None: x itself; dynamo takes no tensor twice as a Function's input)
+        return _MixtureKernelBackward.apply(x, z, inv_var, scaled_means, log_norm, offset, kl_const, need_kl, head_axis)
+    return _mixture_forward(x, x if z is None else z, inv_var, scaled_means, log_norm, offset, kl_const, need_kl)[:4]
+
+
+def _mixture_forward(x: Tensor, point: Tensor, inv_var: Tensor, scaled_means: Tensor, log_norm: Tensor,
+                     offset: Tensor, kl_const: float, need_kl: bool):
+    """J, LP, P, KL and T (the KL's terms; both None without ``need_kl``) of ``mixture_statistics``
+    as broadcast products summed over d, which inductor fuses with their neighbours."""
+    zc = point.unsqueeze(-2)  # (..., 1, d) against the (G, C, d) constants
     log_joint = (zc * (scaled_means - 0.5 * zc * inv_var)).sum(-1) + log_norm
     log_post = torch.log_softmax(log_joint, -1)
     post = log_post.exp()
-    kl = None
-    if need_kl:
-        xc = x.unsqueeze(-2)
-        # T + d log(2 pi) / 2; the 2 pi and log N_c constants cancel in sum_c P (.) as sum_c P = 1
-        terms = (xc * (0.5 * xc * inv_var - scaled_means)).sum(-1) + (
-            0.5 * s * s * inv_var.sum(-1) - log_norm
-        ) + log_post
-        kl = (post * terms).sum(-1) - 0.5 * dim * (LOG_2PI + 1.0 + math.log(s * s))
-    return log_joint, log_post, post, kl
+    if not need_kl:
+        return log_joint, log_post, post, None, None
+    xc = x.unsqueeze(-2)
+    terms = (xc * (0.5 * xc * inv_var - scaled_means)).sum(-1) - offset + log_post
+    return log_joint, log_post, post, (post * terms).sum(-1) - kl_const, terms
+
+
+class _MixtureKernelBackward(torch.autograd.Function):
+    """``mixture_statistics`` with the ``triton`` backend: the forward's broadcast products as
+    ``_mixture_forward`` (inductor fuses them with their neighbours, as for ``compile``), the
+    backward one pass over the points by ``mixture_triton``'s kernel
+    (``triton_ops.mixture_statistics_backward``). Autograd's own backward of the broadcast
+    products has inductor write points x C x d tensors for the constants' gradients (sums over
+    the points of their products with z, x, z^2, x^2), several times a layer's input.
+
+    With G^J' the gradient at J after the log-softmax and W = G^KL P (``mixture_triton``'s
+    docstring), the kernel's per-block sums give: d log N_c = sum_i G^J', d offset = -sum_i W,
+    d(mu sigma^-2) = sum_i (G^J' z - W x) = -first, d sigma^-2 = sum_i (W x^2 - G^J' z^2) / 2 =
+    second / 2; and one gradient for x and z together (z = x + a constant)."""
+
+    @staticmethod
+    def forward(ctx, x, point, inv_var, scaled_means, log_norm, offset, kl_const, need_kl, head_axis):
+        log_joint, log_post, post, kl, terms = _mixture_forward(
+            x, x if point is None else point, inv_var, scaled_means, log_norm, offset, kl_const, need_kl)
+        ctx.save_for_backward(x, point, inv_var, scaled_means, post, terms)
+        ctx.head_axis = head_axis
+        return log_joint, log_post, post, kl
+
+    @staticmethod
+    def backward(ctx, grad_joint, grad_log_post, grad_post, grad_kl):
+        x, point, inv_var, scaled_means, post, terms = ctx.saved_tensors
+        point = x if point is None else point
+        groups, axis, shape = inv_var.size(0), ctx.head_axis, x.shape
+
+        def grouped(t):  # the points: the kernel takes them strided
+            return None if t is None else _grouped(t, groups, axis)
+
+        def grouped_table(t):
+            # the (..., C) tables laid out as the kernel reads them: a copy traced here is fused
+            # into the kernel that makes t; one inside the operator would be a launch of its own
+            return None if t is None else _grouped(t, groups, axis).contiguous()
+
+        if terms is None:
+            terms = post.new_empty(0)
+            grad_kl = None
+        else:
+            terms = grouped_table(terms)
+            grad_kl = None if grad_kl is None else grouped_table(grad_kl.unsqueeze(-1)).squeeze(-1)
+        grad_x, weight, kl_weight, first, second = torch.ops.fairseq_modattn_ops.mixture_statistics_backward(
+            grouped(x), grouped(point), inv_var, scaled_means, grouped_table(post), terms, grouped_table(grad_joint),
+            grouped_table(grad_log_post), grouped_table(grad_post), grad_kl, 1.0 - 0.5 * x.size(-1) * LOG_2PI)
+        weight, first, second = weight.sum(0), first.sum(0), second.sum(0)  # weight = sum_i (W - G^J')
+        grad_offset = None
+        if kl_weight.numel():
+            kl_weight = kl_weight.sum(0)
+            grad_log_norm, grad_offset = kl_weight - weight, -kl_weight
+        else:
+            grad_log_norm = -weight
+        return (_ungrouped(grad_x, shape, groups, axis), None, 0.5 * second, -first, grad_log_norm, grad_offset,
+                None, None, None)
 
 
 def _gmm_kernels_take(x: Tensor, clusters: int) -> bool:

@@ -3,12 +3,11 @@
 
 ``torch.compile`` does not trace into a custom operator: it sees one opaque call with a fake
 implementation for shapes, and differentiates it by the backward registered here, which is
-another such call, with the small sums around it traced (and fused by inductor). So inductor
-fuses the regularisers and the glue around the kernels, while the interpolated attention, the
-GMMs' passes over the points and L_Dxq's critic keep their one-pass kernels and hand-written
-backwards (``interpolated_attention_triton``, ``mixture_triton``, ``infonce_triton``):
-nothing T x S is built, and nothing points x clusters x d (which inductor's own backward of
-the GMM's broadcast products wrote, several times a layer's input).
+another such call. So inductor fuses the GMMs' forwards, the regularisers and the glue around
+the kernels, while the interpolated attention and L_Dxq's critic keep their one-pass kernels
+and hand-written backwards (``interpolated_attention_triton``, ``infonce_triton``): nothing
+T x S is built, forward or backward. The GMMs' backward is one pass over the points by
+``mixture_triton``'s kernel (``dma_compiled._MixtureKernelBackward`` calls it).
 
 Operators (all tensors; every value that changes between steps is a tensor, so that a graph
 never recompiles for it):
@@ -19,10 +18,8 @@ never recompiles for it):
         -> (dq, dk, dv, dP^q, dP^k)
     fairseq_modattn_ops::infonce_scores(post, valid) -> (s, lse)
     fairseq_modattn_ops::infonce_gradient(post, valid, lse, grad) -> dQ
-    fairseq_modattn_ops::mixture_statistics(x, z, sigma^-2, mu sigma^-2, log N_c, offset, kl_const,
-        need_kl) -> (J, LP, P, KL, T)
-    fairseq_modattn_ops::mixture_statistics_backward(x, z, ..., P, T, G^J, G^LP, G^P, G^KL, kl_shift)
-        -> (d(x, z), then per block of points: weight, kl_weight, first, second)
+    fairseq_modattn_ops::mixture_statistics_backward(x, z, sigma^-2, mu sigma^-2, P, T, G^J, G^LP,
+        G^P, G^KL, kl_shift) -> (d(x, z), then per block of points: weight, kl_weight, first, second)
 
 ``key_padding`` and ``valid`` are (B, S) bool tensors; ``gamma`` a 0-d fp32 tensor on the
 inputs' device; ``seed`` a 0-d int64 tensor on the CPU (the dropout's Philox key, read on the
@@ -37,7 +34,6 @@ from torch import Tensor
 
 from . import infonce_triton, mixture_triton
 from . import interpolated_attention_triton as attention
-from .gmm import LOG_2PI
 
 #: their namespace: not the kernels' profiler prefix ``fairseq_modattn::``, so that a launch counter
 #: counts the kernels an operator launches, not the operator
@@ -141,33 +137,6 @@ infonce_scores.register_autograd(_infonce_backward, setup_context=_infonce_conte
 
 
 # ----------------------------------------------------------------------------- the GMMs' passes
-@torch.library.custom_op(f"{LIBRARY}::mixture_statistics", mutates_args=())
-def mixture_statistics(
-    x: Tensor, point: Tensor, inv_var: Tensor, scaled_means: Tensor, log_norm: Tensor, offset: Tensor,
-    kl_const: float, need_kl: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """J, LP, P (G, M, C), KL (G, M) and T (G, M, C) of (G, M, d) points z = ``point`` with
-    means x under the mixtures' constants sigma^-2, mu sigma^-2 (G, C, d), log N_c and the KL's
-    offset (G, C) (``mixture_triton.forward`` at scale 1); without ``need_kl`` KL and T are
-    empty (and ``offset`` is not read)."""
-    # (the kernels take any strides but the coordinates': a guard, free for the graph's views)
-    x, point = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, point))
-    log_joint, log_post, post, kl, terms = mixture_triton.forward(
-        x, point, 1.0, kl_const, need_kl, inv_var, scaled_means, log_norm, offset if need_kl else None)
-    if kl is None or terms is None:
-        kl, terms = point.new_empty(0), point.new_empty(0)  # two: an operator's results may not alias
-    return log_joint, log_post, post, kl, terms
-
-
-@mixture_statistics.register_fake
-def _(x, point, inv_var, scaled_means, log_norm, offset, kl_const, need_kl):
-    groups, num_points, _ = point.shape
-    per_cluster = point.new_empty(groups, num_points, inv_var.size(1))
-    kl, terms = (point.new_empty(groups, num_points), point.new_empty(per_cluster.shape)) if need_kl else (
-        point.new_empty(0), point.new_empty(0))
-    return per_cluster, torch.empty_like(per_cluster), torch.empty_like(per_cluster), kl, terms
-
-
 @torch.library.custom_op(f"{LIBRARY}::mixture_statistics_backward", mutates_args=())
 def mixture_statistics_backward(
     x: Tensor, point: Tensor, inv_var: Tensor, scaled_means: Tensor, post: Tensor, terms: Tensor,
@@ -197,34 +166,3 @@ def _(x, point, inv_var, scaled_means, post, terms, grad_joint, grad_log_post, g
     return (torch.empty_like(point), sums, torch.empty_like(sums) if with_kl
             else point.new_empty(0), point.new_empty(blocks, groups, clusters, dim),
             point.new_empty(blocks, groups, clusters, dim))
-
-
-def _mixture_context(ctx, inputs, output):
-    x, point, inv_var, scaled_means, log_norm, offset, kl_const, need_kl = inputs
-    ctx.save_for_backward(x, point, inv_var, scaled_means, output[2], output[4])
-    ctx.need_kl = need_kl
-    ctx.set_materialize_grads(False)  # an output that reaches no loss gives None, not zeros
-    ctx.mark_non_differentiable(*output[3 if not need_kl else 4:])  # T is backward's input
-
-
-def _mixture_gradient(ctx, grad_joint, grad_log_post, grad_post, grad_kl, _grad_terms):
-    """The gradients of x (z's included), sigma^-2, mu sigma^-2, log N_c and the offset, with
-    G^J' the gradient at J after the log-softmax and W = G^KL P (``mixture_triton``'s docstring):
-    d log N_c = sum_i G^J', d offset = -sum_i W, d(mu sigma^-2) = sum_i (G^J' z - W x) = -first,
-    d sigma^-2 = sum_i (W x^2 - G^J' z^2) / 2 = second / 2."""
-    x, point, inv_var, scaled_means, post, terms = ctx.saved_tensors
-    dim = point.size(-1)
-    grad_x, weight, kl_weight, first, second = mixture_statistics_backward(
-        x, point, inv_var, scaled_means, post, terms, grad_joint, grad_log_post, grad_post,
-        grad_kl if ctx.need_kl else None, 1.0 - 0.5 * dim * LOG_2PI)
-    weight, first, second = weight.sum(0), first.sum(0), second.sum(0)  # weight = sum_i (W - G^J')
-    grad_offset = None
-    if kl_weight.numel():
-        kl_weight = kl_weight.sum(0)
-        grad_log_norm, grad_offset = kl_weight - weight, -kl_weight
-    else:
-        grad_log_norm = -weight
-    return grad_x, None, 0.5 * second, -first, grad_log_norm, grad_offset, None, None
-
-
-mixture_statistics.register_autograd(_mixture_gradient, setup_context=_mixture_context)

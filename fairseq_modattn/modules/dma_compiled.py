@@ -505,8 +505,8 @@ class _State:
 @contextlib.contextmanager
 def eager_forwards():
     """Inside the block every DMA module runs its eager forward, as where compiling failed (the
-    "triton" backend: its kernels with eager operators around them). For a count of what runs,
-    which a compiled graph's generated kernels would hide (``benchmarks/step_traffic.py``)."""
+    "triton" backend: its kernels with eager operators around them), for comparing that
+    fallback with the graph (the tests' launch counts)."""
     previous, _State.eager = _State.eager, True
     try:
         yield

@@ -2,9 +2,10 @@
 
 Every comparison runs a training forward and backward of the same module twice from the same
 seed, eagerly and through the compiled path (whose random draws are made in the eager order,
-outside the graph; attention dropout, inside it, draws through ATen with
-``torch._inductor.config.fallback_random``), and compares the output, every regulariser of
-``aux_losses`` and the gradient of every parameter and input.
+outside the graph on the CPU path, inside it on the GPU path where it can; attention dropout and
+those draws inside it draw through ATen with ``torch._inductor.config.fallback_random``), and
+compares the output, every regulariser of ``aux_losses`` and the gradient of every parameter
+and input.
 
 Tolerances. fp64 (``dma_math`` uncompiled): 1e-10 relative, the restated math is the eager
 module's. fp32: |compiled - eager| <= 1e-5 max(max |eager|, floor) per tensor, with two floors
@@ -39,7 +40,7 @@ import torch
 
 import fairseq_modattn  # noqa: F401  (registers the plugin)
 from attention_helpers import causal_mask, make_dma, padding
-from fairseq_modattn.modules import dma_compiled
+from fairseq_modattn.modules import device_paths, dma_compiled
 from fairseq_modattn.modules.dma_attention import AUX_LOSS_NAMES
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -108,7 +109,7 @@ def build(kind, objective, dtype=torch.float32, device=CPU, **kwargs):
     if device.type == "cuda" and kwargs.get("dropout", 0.0) > 0.0:
         kwargs.setdefault("attention_impl", "fused")  # the graph's dropout (module docstring)
     m = make_dma(1, embed_dim=32, heads=4, clusters=4, num_updates=3000, centroid_grad_mult=3.0,
-                 **KINDS[kind], **OBJECTIVES[objective], **kwargs).to(device=device, dtype=dtype)
+                 **KINDS[kind], **{**OBJECTIVES[objective], **kwargs}).to(device=device, dtype=dtype)
     return m
 
 
@@ -228,6 +229,30 @@ def test_restated_math_with_dropout_weights_and_gamma_zero_in_fp64(backend, torc
     assert_matches(step(m, True, "enc_dec", *args), step(m, False, "enc_dec", *args), 1e-10)
 
 
+#: (objective, module kwargs, whether the graph draws the noise on the GPU path): the authors'
+#: "attention" sampling; the same with CLUB's negatives, drawn after the noise; the paper's
+#: "gmm" sampling, whose draws are the token GMM's own
+GPU_PATH_DRAWS = [("authors", {}, True), ("authors", {"qq_form": "club"}, False), ("paper", {}, False)]
+
+
+@pytest.mark.parametrize("backend", [None], indirect=True)
+@pytest.mark.parametrize("objective, module_kwargs, in_graph", GPU_PATH_DRAWS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_restated_math_on_the_gpu_path_draws_the_eager_modules_noise_in_fp64(backend, kind, objective,
+                                                                              module_kwargs, in_graph):
+    # the CUDA path emulated on the CPU: the eager module draws with torch's generator, and the
+    # graph draws the same values in the same order itself where it can (MathConfig.draws_noise)
+    m = build(kind, objective, torch.float64, **module_kwargs)
+    with device_paths.emulate("cuda"):
+        for padded, batch_major in ((False, False), (True, False), (True, True)):
+            args = inputs(kind, padded, torch.float64, batch_major=batch_major)
+            assert_matches(step(m, True, kind, *args), step(m, False, kind, *args), 1e-10)
+    assert [cfg.draws_noise for cfg in dma_compiled._State.compiled] == [in_graph]
+    # on the CPU path the draws are the native generator's, outside the graph
+    step(m, True, kind, *inputs(kind, True, torch.float64))
+    assert [cfg.draws_noise for cfg in dma_compiled._State.compiled] == [in_graph, False][:1 + in_graph]
+
+
 # ----------------------------------------------------------------------------- compiled, fp32
 #: (kind, objective, forward kwargs, module kwargs): each attention type, both objectives, the
 #: weights fairseq's alignment layer asks for and attention dropout, in four graphs
@@ -254,6 +279,31 @@ def compare_compiled(kind, objective, forward_kwargs, module_kwargs, device):
 def test_inductor_matches_eager(backend, kind, objective, forward_kwargs, module_kwargs, torch_device):
     require_inductor(torch_device)
     compare_compiled(kind, objective, forward_kwargs, module_kwargs, torch_device)
+
+
+@pytest.mark.slow
+@needs_inductor
+@pytest.mark.parametrize("backend", ["inductor"], indirect=True)
+def test_inductor_draws_the_noise_in_its_kernels_on_the_gpu_path(backend, kernel_calls):
+    # the CUDA path emulated on the CPU, where inductor's C++ code generator stands in for its
+    # Triton one: with fallback_random the graph's draws are torch's generator's, in the eager
+    # module's order; without, inductor generates them inside the kernels that read them
+    import torch._inductor.config as inductor_config
+
+    m = build("enc_dec", "authors")
+    args = inputs("enc_dec", True)
+    with device_paths.emulate("cuda"):
+        assert_matches(step(m, True, "enc_dec", *args), step(m, False, "enc_dec", *args), 1e-5)
+        assert [cfg.draws_noise for cfg in dma_compiled._State.compiled] == [True]
+        torch._dynamo.reset()
+        dma_compiled.reset()
+        with inductor_config.patch({"fallback_random": False, "cpp.enable_kernel_profile": True}):
+            step(m, True, "enc_dec", *args)
+            counts = kernel_calls.count_kernel_calls(lambda: step(m, True, "enc_dec", *args))
+    assert not dma_compiled.compile_failed()
+    # ``step``'s own draw of its loss weights is the one randn call; inductor draws its seeds once
+    assert counts.get("aten::randn") == 1 and counts.get("aten::randint") == 1, counts
+    assert len([name for name in counts if "cpp_fused" in name and "randn" in name]) >= 1, counts
 
 
 # ----------------------------------------------------------------------------- recompiles

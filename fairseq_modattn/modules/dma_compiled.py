@@ -28,10 +28,20 @@ softmaxes, one value product) on every device: ``attention_impl`` does not apply
 the launches counted on the CPU approximate a GPU's (inductor's C++ and Triton code generators
 fuse alike, though not identically; not measured on a GPU).
 
-What stays eager, around the graph: the random draws (the token GMM's sample, the query
-sample, CLUB's negatives) are made in the eager module's order and shapes, so that the compiled
-and the eager forward see the same numbers from the same seed; attention dropout, if any, is
-drawn inside the graph (``torch.rand`` on the mixed weights, as the fused CPU kernel does).
+The random draws are made in the eager module's order and shapes (the token GMM's sample of
+each side, the query sample, CLUB's negatives), so that the compiled and the eager forward see
+the same numbers from the same generator state. On the CPU path they stay eager, around the
+graph: there they come from the native Philox stream (``noise``), which a graph cannot call. On
+the GPU path, under "attention" sampling (the authors' objective), the graph draws its noise
+itself (``MathConfig.draws_noise``): inductor generates each draw inside the kernel that adds it
+to its input, so that eps is never written to memory nor read back, and the two or three
+``randn`` launches of each module become one draw of seeds per graph. (With CLUB's negatives,
+which the eager module draws after the noise, or the token GMM's own group-major draws of
+"gmm" sampling, the draws stay eager.) Inductor's random numbers are its own Philox stream, not
+torch's generator: a test that compares the graph's draws with eager ones sets inductor's
+``fallback_random``. Attention dropout, if any, is drawn inside the graph (``torch.rand`` on
+the mixed weights, as the fused CPU kernel does; the kernels' own Philox stream with
+``kernels``).
 
 With ``MathConfig.kernels`` (``--dma-backend triton``) the attention and L_Dxq's critic are
 Triton kernels called as operators (``triton_ops``): one pass over the keys each way, nothing
@@ -76,6 +86,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .device_paths import path_device
 from .future_mask import is_future_mask
 from .gmm import LOG_2PI, group_major_points
 from .mi_bounds import _DIV_COEFFICIENTS, _PADDED_KEY_CRITIC, BOUNDED_QQ_EPS, sample_negatives
@@ -110,6 +121,7 @@ class MathConfig(NamedTuple):
     weights: str  # what the caller asked for: "none", "mean" (over heads) or "heads"
     kernels: bool = False  # the T x S passes as Triton kernels (``triton_ops``; the "triton" backend)
     causal: bool = False  # the attention mask is fairseq's future mask (the kernels apply it as a rule)
+    draws_noise: bool = False  # the graph draws the noise of "attention" sampling (``draws_noise_in_graph``)
 
 
 # ----------------------------------------------------------------------------- the math
@@ -376,7 +388,7 @@ def dma_math(
     attn_mask: Optional[Tensor],
     key_padding: Tensor,
     query_padding: Tensor,
-    token_noise: Tensor,
+    token_noise: Optional[Tensor],
     key_token_noise: Optional[Tensor],
     query_noise: Optional[Tensor],
     negatives: Optional[Tensor],
@@ -396,7 +408,8 @@ def dma_math(
     token_noise: eps of the token GMM's sample of the queries' input, (T, B, E) with "attention"
     sampling (the projections read the sample too), else (T, B, H, d); key_token_noise: the
     same for the keys' input of encoder-decoder attention; query_noise (B, H, T, d): eps' of the
-    query sample ("attention" sampling) or None; negatives (B, T): CLUB's sampled tokens (or
+    query sample ("attention" sampling) or None; all three None with ``cfg.draws_noise``, where
+    the graph draws them in that order; negatives (B, T): CLUB's sampled tokens (or
     None); gamma: 0-d; seed: the kernels' dropout key (``cfg.kernels``), 0-d int64 on the CPU;
     projections: (W, b) of q, k, v, out; token_gmm, query_gmm: (logits, means, log_vars)."""
     heads, dim, s = cfg.num_heads, cfg.head_dim, cfg.noise_scale
@@ -405,6 +418,10 @@ def dma_math(
     tgt_len, bsz, embed = query.shape
     if key is None:
         key = value = query
+    if cfg.draws_noise:  # drawn where inductor fuses each draw into the sum that reads it (module docstring)
+        token_noise = torch.randn(query.shape, dtype=query.dtype, device=query.device)
+        if not cfg.self_attention:
+            key_token_noise = torch.randn(key.shape, dtype=key.dtype, device=key.device)
     sides = [(query, token_noise)] if cfg.self_attention else [(query, token_noise), (key, key_token_noise)]
 
     # projections; "attention" sampling: the queries' (encoder-decoder: also the keys') input is the sample
@@ -433,6 +450,8 @@ def dma_math(
     k = heads_first(_split(k, heads, dim))
     v = heads_first(_split(v, heads, dim))
 
+    if cfg.draws_noise:
+        query_noise = torch.randn(q.shape, dtype=q.dtype, device=q.device)
     # the query sample q~ = (u + s eps') / scale, read by the attention and (scaled) by the query GMM
     sampled_q = q if query_noise is None else q + query_noise * (s / cfg.query_gmm_scale)
 
@@ -589,6 +608,13 @@ def _gmm_draws(module, x: Tensor, concatenated: bool) -> Tensor:
     return drawn
 
 
+def draws_noise_in_graph(cfg: MathConfig, query: Tensor) -> bool:
+    """Whether ``dma_math`` draws its noise itself for ``query`` (module docstring): "attention"
+    sampling on the GPU path (the CPU's noise is the native generator's), with no CLUB
+    negatives to draw after the noise."""
+    return cfg.sample_attention and path_device(query) != "cpu" and not (cfg.need_aux and cfg.qq_form == "club")
+
+
 def config_of(module, weights: str, causal: bool = False) -> MathConfig:
     """The graph constants of ``module``'s forward; the "triton" backend's kernels serve a forward
     that returns no weights (the kernels keep none)."""
@@ -632,15 +658,17 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     self_attention = module.self_attention
     if self_attention:
         key = value = None
+    cfg = cfg._replace(draws_noise=draws_noise_in_graph(cfg, query))
 
     # the random draws of the eager forward, in its order: the token GMM's sample of each side
-    # (token_states), the query sample (attend), CLUB's negatives (regularisers)
-    key_token_noise = None
-    if cfg.sample_attention:
+    # (token_states), the query sample (attend), CLUB's negatives (regularisers); with
+    # ``draws_noise`` the graph draws the noise (module docstring)
+    token_noise = key_token_noise = query_noise = None
+    if cfg.sample_attention and not cfg.draws_noise:
         token_noise = standard_normal_like(query)
         if not self_attention:
             key_token_noise = standard_normal_like(key)
-    else:
+    elif not cfg.sample_attention:
         token_noise = _gmm_draws(module, query, concatenated=not self_attention)
         if not self_attention:
             key_token_noise = _gmm_draws(module, key, concatenated=True)
@@ -658,8 +686,7 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
         same = value is key
         key = key.contiguous()
         value = key if same else value.contiguous()
-    query_noise = None
-    if cfg.sample_attention:
+    if cfg.sample_attention and not cfg.draws_noise:
         shape = (bsz, module.num_heads, tgt_len, module.head_dim)
         query_noise = standard_normal(shape, _projection_dtype(query), query.device)
     src_len = tgt_len if self_attention else key.size(0)

@@ -694,9 +694,12 @@ def forward(module, query: Tensor, key: Optional[Tensor], value: Optional[Tensor
         query.new_zeros((bsz, src_len), dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool()
     )
     query_padding_mask = key_padding_mask if self_attention else module.query_padding_mask
-    query_padding = (
-        query.new_zeros((bsz, tgt_len), dtype=torch.bool) if query_padding_mask is None else query_padding_mask.bool()
-    )
+    if self_attention:  # the same tensor (as ``bool()`` of a bool mask is): no second all-False one
+        query_padding = key_padding
+    elif query_padding_mask is None:
+        query_padding = query.new_zeros((bsz, tgt_len), dtype=torch.bool)
+    else:
+        query_padding = query_padding_mask.bool()
     negatives = None
     if cfg.need_aux and cfg.qq_form == "club":
         query_valid = None if query_padding_mask is None else ~query_padding

@@ -418,20 +418,26 @@ def traffic(entries, cfg, d, device, top=6):
             movers = sorted(m.by_op.items(), key=lambda kv: -kv[1])[:top]
             row = {"length": length, "batch": bsz, "transformer_gflops": t.flops / 1e9, "dma_gflops": m.flops / 1e9,
                    "flops_ratio": m.flops / t.flops, "transformer_gb": t.bytes / 1e9, "dma_gb": m.bytes / 1e9,
-                   "bytes_ratio": m.bytes / t.bytes, "dma_top_movers_gb": {k: v / 1e9 for k, v in movers}}
+                   "bytes_ratio": m.bytes / t.bytes, "transformer_gb_once": t.once / 1e9, "dma_gb_once": m.once / 1e9,
+                   "bytes_ratio_once": m.once / t.once, "dma_top_movers_gb": {k: v / 1e9 for k, v in movers}}
             rows.append(row)
             print(f"  L={length:4d} B={bsz:4d}: FLOPs transformer {row['transformer_gflops']:8.2f} G | DMA "
                   f"{row['dma_gflops']:8.2f} G ({row['flops_ratio']:.3f} x); bytes transformer "
-                  f"{row['transformer_gb']:7.2f} GB | DMA {row['dma_gb']:7.2f} GB ({row['bytes_ratio']:.2f} x)",
-                  flush=True)
+                  f"{row['transformer_gb']:7.2f} GB | DMA {row['dma_gb']:7.2f} GB ({row['bytes_ratio']:.2f} x); "
+                  f"operands once: transformer {row['transformer_gb_once']:7.2f} GB | DMA {row['dma_gb_once']:7.2f} GB "
+                  f"({row['bytes_ratio_once']:.2f} x)", flush=True)
             print("        DMA's largest movers: " + ", ".join(f"{name.split('::')[-1]} {gb:.2f} GB"
                                                         for name, gb in row["dma_top_movers_gb"].items()), flush=True)
     length, target = TRAFFIC_TARGET
     at = [r for r in rows if r["length"] == length]
     if at:
-        met = "met" if at[0]["bytes_ratio"] <= target else "not met"
-        print(f"  floor: bytes at L={length} {at[0]['bytes_ratio']:.2f} x the transformer's (target <= {target} x: "
-              f"{met})", flush=True)
+        for key, rule in (("bytes_ratio_once", "every kernel's operands read once, the rule of the transformer's "
+                                               "attention operator"),
+                          ("bytes_ratio", "the Triton kernels' re-reads of rows another program loaded counted too, "
+                                          "as a GPU without L2 hits would move them")):
+            met = "met" if at[0][key] <= target else "not met"
+            print(f"  floor: bytes at L={length} {at[0][key]:.2f} x the transformer's, {rule} (target <= {target} x: "
+                  f"{met})", flush=True)
     return {"path": "cuda, emulated on the cpu" if emulating else "cuda", "rows": rows}
 
 
@@ -540,7 +546,8 @@ def get_parser():
                    help="also count the matmul FLOPs and the bytes of one training step per model and length "
                         "(benchmarks/step_traffic.py: each operator alone, the Triton kernels' own loads and stores "
                         "from their tiles, a compiled graph's generated kernels as inductor counts them) and print "
-                        f"the ratio; the target is <= {TRAFFIC_TARGET[1]} x at "
+                        "the ratios, with the Triton kernels' re-reads of rows another program loaded and with each "
+                        f"kernel's operands read once; the target is <= {TRAFFIC_TARGET[1]} x at "
                         f"L = {TRAFFIC_TARGET[0]}")
     p.add_argument("--traffic-sentences", type=int, nargs=2, default=None, metavar=("S1", "S2"),
                    help="--traffic: count steps of S1 and S2 sentences and extrapolate linearly to --tokens' batch "

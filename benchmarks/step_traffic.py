@@ -13,7 +13,11 @@ can count them for a GPU (``bench_dma.py --traffic``):
   counts once, an operand given twice once; an operator that only fills or overwrites its
   output (``WRITE_ONLY_OPS``) reads none of it. Views, metadata and allocations move nothing
   (``kernel_calls.NO_KERNEL_OPS``). The Triton kernels report their own loads and stores,
-  derived from the tiles their programs visit (each kernel module's ``_traffic``).
+  derived from the tiles their programs visit (each kernel module's ``_traffic``), and which
+  of those loads re-read a row that another program of the launch loaded (``Traffic.reread``):
+  ``Traffic.once`` counts every kernel by the rule above, each operand once, as an attention
+  operator such as the transformer's ``scaled_dot_product_attention`` is counted; ``bytes``
+  counts the Triton kernels' re-reads too, as a GPU without reuse in its L2 cache would move.
 
 The operators are seen below autograd (``TorchDispatchMode``): what runs, forward and backward,
 after composite operators are decomposed.
@@ -46,6 +50,12 @@ class Traffic(NamedTuple):
     flops: int
     bytes: int
     by_op: Dict[str, int]  # bytes by operator or kernel name
+    reread: int = 0  # of ``bytes``: the Triton kernels' loads of a row that another program loaded
+
+    @property
+    def once(self) -> int:
+        """The bytes with each kernel's operands read once (module docstring)."""
+        return self.bytes - self.reread
 
 
 def addressed_bytes(t: torch.Tensor) -> int:
@@ -113,11 +123,12 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
     from fairseq_modattn.modules import triton_support
 
     totals: Counter = Counter()
-    flops = [0]
+    flops, reread = [0], [0]
 
     def kernel(name, traffic):
         totals[triton_support.KERNEL_EVENT_PREFIX + name] += traffic.read + traffic.written
         flops[0] += traffic.flops
+        reread[0] += traffic.reread
 
     def graph(name, moved):
         totals[name] += moved
@@ -130,7 +141,7 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
     finally:
         triton_support.TRAFFIC_COUNTERS.remove(kernel)
         GRAPH_COUNTERS.remove(graph)
-    return Traffic(flops[0], sum(totals.values()), dict(totals))
+    return Traffic(flops[0], sum(totals.values()), dict(totals), reread[0])
 
 
 # ----------------------------------------------------------------------------- compiled graphs
@@ -233,4 +244,5 @@ def extrapolate(first: Traffic, second: Traffic, first_batch: int, second_batch:
 
     names = set(first.by_op) | set(second.by_op)
     return Traffic(round(at(first.flops, second.flops)), round(at(first.bytes, second.bytes)),
-                   {n: round(at(first.by_op.get(n, 0), second.by_op.get(n, 0))) for n in names})
+                   {n: round(at(first.by_op.get(n, 0), second.by_op.get(n, 0))) for n in names},
+                   round(at(first.reread, second.reread)))

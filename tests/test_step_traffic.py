@@ -89,6 +89,16 @@ def test_the_attention_kernels_report_the_tiles_they_visit(step_traffic, causal)
     pairs = sum(rows * n for rows, n in keys)
     key_pairs = sum(n * m for n, m in queries_per_key_block)
     assert counted.flops == heads_total * 2 * dim * (3 * pairs + 3 * pairs + 4 * key_pairs)
+    # read once, each kernel moves its operands and results: the query side's rows, every key's
+    # row, the stores; the tiles' count re-reads the other side's rows for every block but one
+    query_row = dim * 4 * 2 + clusters * 4 + 4 * 4  # q, dO, P^q, lse, (r, r~)
+    once = heads_total * length * (
+        (dim * 4 + clusters * 4) + key_row + (dim * 4 * 2 + 2 * 4)
+        + (dim * 4 + clusters * 4 + dim * 4 * 3 + 2 * 4) + key_row + (dim * 4 + clusters * 4 + 2 * 4)
+        + key_row + query_row + (dim * 4 * 2 + clusters * 4))
+    assert sum(kernels.values()) - counted.reread == once
+    again = [sum(n for _, n in blocks) - max(n for _, n in blocks) for blocks in (keys, queries_per_key_block)]
+    assert counted.reread == heads_total * (2 * again[0] * key_row + again[1] * query_row)
 
 
 def test_a_gmm_pass_reads_each_point_once_and_the_parameters_once_a_program(step_traffic):
@@ -98,12 +108,13 @@ def test_a_gmm_pass_reads_each_point_once_and_the_parameters_once_a_program(step
     groups, points, dim, clusters = 2, 70, 16, 4
     gmm = DiagonalGMM(clusters, dim, groups)
     x = torch.randn(1, groups, points, dim)
-    kernels, _ = kernel_traffic(step_traffic, lambda: gmm(x, 0.1, sample=False, need_kl=False, triton=True))
+    kernels, counted = kernel_traffic(step_traffic, lambda: gmm(x, 0.1, sample=False, need_kl=False, triton=True))
     programs = -(-points // mixture_triton.block_shape(dim)[0])  # 3 blocks of 32 points a group
     parameters = 2 * clusters * dim * 4 + clusters * 4  # sigma^-2, mu sigma^-2, log N_c of one group
     # no KL: the point is the mean, read once; J, LP and P stored
     assert kernels == {"gmm_forward": groups * points * dim * 4 + groups * programs * parameters
                        + 3 * groups * points * clusters * 4}
+    assert counted.reread == groups * (programs - 1) * parameters
 
 
 def test_the_critic_reads_each_token_once_a_query_block(step_traffic):
@@ -112,9 +123,10 @@ def test_the_critic_reads_each_token_once_a_query_block(step_traffic):
     bsz, heads, length, clusters = 2, 2, 40, 4
     post = torch.softmax(torch.randn(bsz, heads, length, clusters), -1)
     valid = torch.ones(bsz, length, dtype=torch.bool)
-    kernels, _ = kernel_traffic(step_traffic, lambda: infonce_triton.scores(post, valid))
+    kernels, counted = kernel_traffic(step_traffic, lambda: infonce_triton.scores(post, valid))
     reads = 1 + 2  # as a query, and as a key for each of the 2 query blocks
     assert kernels == {"infonce_forward": bsz * heads * length * ((clusters * 4 + 1) * reads + 2 * 4)}
+    assert counted.reread == bsz * heads * length * (clusters * 4 + 1) * (reads - 1)
 
 
 def test_counts_at_two_batches_extrapolate_to_a_third_exactly(step_traffic):

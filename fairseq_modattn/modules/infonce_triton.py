@@ -135,7 +135,8 @@ def _traffic(post: Tensor, valid: Optional[Tensor], extra_per_token: int, stored
     size = post.element_size()
     token = (clusters + extra_per_token) * size + (0 if valid is None else 1)
     reads = 1 + triton.cdiv(length, BLOCK)
-    return KernelTraffic(bsz * heads * length * token * reads, bsz * heads * length * stored_per_token * size)
+    once = bsz * heads * length * token
+    return KernelTraffic(once * reads, bsz * heads * length * stored_per_token * size, reread=once * (reads - 1))
 
 
 def _common(post: Tensor, valid: Optional[Tensor]) -> Tuple[Tensor, int, dict]:

@@ -485,7 +485,7 @@ def _key_block_queries(tgt_len: int, src_len: int, block_m: int, block_n: int, c
 def _traffic(kernel: str, q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, launch: _Launch) -> KernelTraffic:
     """The loads, stores and dot FLOPs of one launch of ``kernel`` ("forward", "queries" or
     "keys"), from the tiles its programs visit: a program's own rows once, the other side's rows
-    once per program that reads them."""
+    once per program that reads them (``reread``: those loads beyond the first of each row)."""
     bsz, heads, tgt_len, dim = q.shape
     src_len = k.size(2)
     acc = 8 if q.dtype == torch.float64 else 4
@@ -494,26 +494,30 @@ def _traffic(kernel: str, q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, launc
     mask = launch.mask.element_size() if launch.flags["HAS_MASK"] else 0
     causal = launch.flags["IS_CAUSAL"]
     key_row = dim * (k.element_size() + ve) + clusters * acc + pad  # k, v, P^k and the padding of a key
-    read = written = flops = 0
+    read = written = flops = reread = 0
     if kernel in ("forward", "queries"):
         config = (FORWARD_CONFIGS if kernel == "forward" else BACKWARD_CONFIGS)[launch.flags["BLOCK_D"]]
         own = dim * qe + clusters * acc  # q, P^q
         if kernel == "queries":
             own += dim * (ve + acc + qe) + 2 * acc  # out, diff, dO, lse
-        for rows, keys in _query_block_keys(tgt_len, src_len, config.block_m, causal):
+        blocks = _query_block_keys(tgt_len, src_len, config.block_m, causal)
+        for rows, keys in blocks:
             read += rows * own + keys * key_row + rows * keys * mask
             flops += 2 * rows * keys * dim * 3  # q k^T, and two value products (forward) or dO v^T, dS k
+        reread = (sum(keys for _, keys in blocks) - max(keys for _, keys in blocks)) * key_row
         stored = dim * (ve + acc) + 2 * acc if kernel == "forward" else dim * qe + clusters * acc + 2 * acc
         written = tgt_len * stored
     else:
         config = BACKWARD_CONFIGS[launch.flags["BLOCK_D"]]
         query_row = dim * 2 * qe + clusters * acc + 4 * acc  # q, dO, P^q, lse and (r, r~)
-        for keys, queries in _key_block_queries(tgt_len, src_len, config.block_m, config.block_n, causal):
+        blocks = _key_block_queries(tgt_len, src_len, config.block_m, config.block_n, causal)
+        for keys, queries in blocks:
             read += keys * key_row + queries * query_row + keys * queries * mask
             flops += 2 * keys * queries * dim * 4  # q k^T, dO v^T, dv, dk
+        reread = (sum(queries for _, queries in blocks) - max(queries for _, queries in blocks)) * query_row
         written = src_len * (dim * (k.element_size() + ve) + clusters * acc)
     heads_total = bsz * heads
-    return KernelTraffic(read * heads_total, written * heads_total, flops * heads_total)
+    return KernelTraffic(read * heads_total, written * heads_total, flops * heads_total, reread * heads_total)
 
 
 def forward(q, k, v, post_q, post_k, launch: _Launch):

@@ -213,7 +213,8 @@ def _traffic(point: Tensor, streamed, parameters, stored) -> KernelTraffic:
     """One pass over the points: each streamed (G, M, *) tensor read once, the (G, C, *)
     parameters once per program (a program takes one group's), the results stored once."""
     programs = triton.cdiv(point.size(1), block_shape(point.size(-1))[0])
-    return KernelTraffic(nbytes(*streamed) + programs * nbytes(*parameters), nbytes(*stored))
+    return KernelTraffic(nbytes(*streamed) + programs * nbytes(*parameters), nbytes(*stored),
+                         reread=(programs - 1) * nbytes(*parameters))
 
 
 def forward(x: Tensor, point: Tensor, scale: float, kl_const: float, need_kl: bool, inv_var: Tensor,

@@ -68,11 +68,15 @@ class KernelTraffic(NamedTuple):
     """What one launch of a kernel moves and computes, derived from its tiles: the bytes its
     programs load (an operand that several programs read counts once per program that reads it,
     as on a GPU without cache reuse between programs) and store, and its ``tl.dot`` FLOPs (the
-    products the matmul FLOPs of a step count; the broadcast sums over the clusters are not)."""
+    products the matmul FLOPs of a step count; the broadcast sums over the clusters are not).
+    ``reread``: the part of ``read`` that programs load again after another program of the
+    launch loaded it, so that ``read - reread`` reads each operand once, the rule by which every
+    other kernel of a step is counted (on a GPU most re-reads of a tile are hits in L2)."""
 
     read: int
     written: int
     flops: int = 0
+    reread: int = 0
 
 
 #: the active counters of the kernels' traffic (``benchmarks/step_traffic.py``): each is called

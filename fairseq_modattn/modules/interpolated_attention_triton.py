@@ -482,6 +482,14 @@ def _key_block_queries(tgt_len: int, src_len: int, block_m: int, block_n: int, c
     return blocks
 
 
+def _loaded_again(blocks: List[Tuple[int, int]]) -> int:
+    """Of the other side's rows that the blocks read (the second of each pair), those loaded
+    after another block loaded them: each block reads a prefix (keys) or a suffix (queries) of
+    them, so the block that reads most reads every row once."""
+    counts = [n for _, n in blocks]
+    return sum(counts) - max(counts)
+
+
 def _traffic(kernel: str, q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, launch: _Launch) -> KernelTraffic:
     """The loads, stores and dot FLOPs of one launch of ``kernel`` ("forward", "queries" or
     "keys"), from the tiles its programs visit: a program's own rows once, the other side's rows
@@ -504,7 +512,7 @@ def _traffic(kernel: str, q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, launc
         for rows, keys in blocks:
             read += rows * own + keys * key_row + rows * keys * mask
             flops += 2 * rows * keys * dim * 3  # q k^T, and two value products (forward) or dO v^T, dS k
-        reread = (sum(keys for _, keys in blocks) - max(keys for _, keys in blocks)) * key_row
+        reread = _loaded_again(blocks) * key_row
         stored = dim * (ve + acc) + 2 * acc if kernel == "forward" else dim * qe + clusters * acc + 2 * acc
         written = tgt_len * stored
     else:
@@ -514,7 +522,7 @@ def _traffic(kernel: str, q: Tensor, k: Tensor, v: Tensor, post_q: Tensor, launc
         for keys, queries in blocks:
             read += keys * key_row + queries * query_row + keys * queries * mask
             flops += 2 * keys * queries * dim * 4  # q k^T, dO v^T, dv, dk
-        reread = (sum(queries for _, queries in blocks) - max(queries for _, queries in blocks)) * query_row
+        reread = _loaded_again(blocks) * query_row
         written = src_len * (dim * (k.element_size() + ve) + clusters * acc)
     heads_total = bsz * heads
     return KernelTraffic(read * heads_total, written * heads_total, flops * heads_total, reread * heads_total)
